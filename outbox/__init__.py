@@ -1,0 +1,60 @@
+"""outbox: a durable, client-side operation outbox for HTTP integrations.
+
+Record the intent to call a remote API in your own database, in the same transaction
+as your own change; a dispatcher sends it with a fixed ``Idempotency-Key`` and a fresh
+request ID per attempt, retries within a bounded window, and moves what stays unknown
+to a reconciliation queue for an operator.
+"""
+
+from outbox.client import Intent, Outbox
+from outbox.clock import Clock, FakeClock, SystemClock
+from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
+from outbox.dispatch import DispatchSummary
+from outbox.errors import (
+    ConcurrentModification,
+    ConfigurationError,
+    NotStoredError,
+    OperationConflict,
+    OperationNotFound,
+    OperatorActionRefused,
+    OutboxError,
+    SchemaError,
+    StoreError,
+    ValidationError,
+    WaitTimeout,
+)
+from outbox.model import Attempt, Delivery, Operation, Reason, Result, State, Verdict
+from outbox.store.engine import create_engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Attempt",
+    "Clock",
+    "ConcurrentModification",
+    "ConfigurationError",
+    "Delivery",
+    "DispatchSummary",
+    "DispatcherSettings",
+    "Endpoint",
+    "FakeClock",
+    "Intent",
+    "NotStoredError",
+    "OperationConflict",
+    "OperationNotFound",
+    "OperatorActionRefused",
+    "Outbox",
+    "OutboxError",
+    "Reason",
+    "Result",
+    "RetryPolicy",
+    "SchemaError",
+    "State",
+    "StoreError",
+    "SystemClock",
+    "ValidationError",
+    "Verdict",
+    "WaitTimeout",
+    "__version__",
+    "create_engine",
+]

@@ -1,0 +1,189 @@
+"""Validation and canonical form of enqueue arguments.
+
+Everything here is pure: it raises :class:`ValidationError` before the store is touched,
+so bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.errors import ValidationError
+
+OPERATION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{0,255}$")
+_ORDERING_KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:/-]{1,255}$")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+MAX_JSON_DEPTH = 64
+
+#: Headers that carry credentials: never persisted; the endpoint's auth supplies them.
+CREDENTIAL_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        "set-cookie",
+        "x-api-key",
+        "api-key",
+        "apikey",
+        "x-auth-token",
+        "x-access-token",
+        "x-csrf-token",
+    }
+)
+#: Headers the dispatcher sets itself.
+_RESERVED_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "idempotency-key", "x-request-id"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalArgs:
+    """Validated arguments in the one form that is stored and compared."""
+
+    endpoint: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    body_json: str | None  #: canonical JSON text, or None for no body
+    args_sha256: str
+
+
+def check_operation_id(operation_id: object) -> str:
+    if not isinstance(operation_id, str) or not OPERATION_ID_PATTERN.match(operation_id):
+        raise ValidationError(
+            f"operation_id must be 1-255 characters of [A-Za-z0-9._:-], got {operation_id!r}"
+        )
+    return operation_id
+
+
+def check_tenant(tenant: object) -> str:
+    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+        raise ValidationError(f"tenant must be 0-255 characters of [A-Za-z0-9._:-], got {tenant!r}")
+    return tenant
+
+
+def check_ordering_key(ordering_key: object) -> str | None:
+    if ordering_key is None:
+        return None
+    if not isinstance(ordering_key, str) or not _ORDERING_KEY_PATTERN.match(ordering_key):
+        raise ValidationError(
+            f"ordering_key must be 1-255 characters of [A-Za-z0-9._:/-], got {ordering_key!r}"
+        )
+    return ordering_key
+
+
+def _check_method(method: object) -> str:
+    if not isinstance(method, str) or method.upper() not in METHODS:
+        raise ValidationError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+    return method.upper()
+
+
+def _check_path(path: object) -> str:
+    if not isinstance(path, str) or not path.startswith("/") or path.startswith("//"):
+        raise ValidationError(
+            f"path must be relative to the endpoint's base URL and start with one '/', got {path!r}"
+        )
+    if len(path) > 2048:
+        raise ValidationError("path is longer than 2048 characters")
+    if _CONTROL.search(path) or " " in path or "#" in path or "\\" in path:
+        raise ValidationError(f"path contains spaces, control characters, '#' or '\\': {path!r}")
+    return path
+
+
+def _check_headers(
+    headers: Mapping[str, str] | None, secret_headers: Iterable[str]
+) -> dict[str, str]:
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise ValidationError("headers must be a mapping of header name to value")
+    secrets = CREDENTIAL_HEADERS | {h.lower() for h in secret_headers}
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _HEADER_NAME.match(name):
+            raise ValidationError(f"invalid header name {name!r}")
+        lower = name.lower()
+        if lower in secrets:
+            raise ValidationError(
+                f"header {name!r} carries credentials and is never stored; supply it through "
+                "the endpoint's auth, which is applied at send time"
+            )
+        if lower in _RESERVED_HEADERS:
+            raise ValidationError(f"header {name!r} is set by the dispatcher and cannot be given")
+        if not isinstance(value, str) or _CONTROL.search(value.replace("\t", "")):
+            raise ValidationError(f"header {name!r} must be a string without control characters")
+        out[lower] = value
+    return dict(sorted(out.items()))
+
+
+def _depth(value: Any, limit: int) -> None:
+    # Iterative, so a hostile payload cannot exhaust the interpreter's stack.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise ValidationError(f"json body is nested deeper than {limit} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, compact separators, no NaN or Infinity."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
+    except ValueError as exc:
+        raise ValidationError(f"json body is not valid JSON (NaN or Infinity?): {exc}") from exc
+    except TypeError as exc:
+        raise ValidationError(f"json body is not JSON-serialisable: {exc}") from exc
+
+
+def canonicalize(
+    *,
+    endpoint: str,
+    method: str,
+    path: str,
+    json_body: Any,
+    headers: Mapping[str, str] | None,
+    max_body_bytes: int,
+    secret_headers: Iterable[str] = (),
+) -> CanonicalArgs:
+    """Validate enqueue arguments and return their canonical, comparable form."""
+    checked_method = _check_method(method)
+    checked_path = _check_path(path)
+    checked_headers = _check_headers(headers, secret_headers)
+    body_json: str | None = None
+    if json_body is not None:
+        _depth(json_body, MAX_JSON_DEPTH)
+        body_json = canonical_json(json_body)
+        size = len(body_json.encode("utf-8"))
+        if size > max_body_bytes:
+            raise ValidationError(f"json body is {size} bytes, over the limit of {max_body_bytes}")
+    identity = canonical_json(
+        {
+            "endpoint": endpoint,
+            "method": checked_method,
+            "path": checked_path,
+            "headers": checked_headers,
+            "body": body_json,
+        }
+    )
+    return CanonicalArgs(
+        endpoint=endpoint,
+        method=checked_method,
+        path=checked_path,
+        headers=checked_headers,
+        body_json=body_json,
+        args_sha256=hashlib.sha256(identity.encode("utf-8")).hexdigest(),
+    )

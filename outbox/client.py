@@ -1,0 +1,349 @@
+"""The Outbox facade: register endpoints, enqueue intents, read them back, dispatch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.engine import URL
+
+from outbox.canonical import (
+    DEFAULT_MAX_BODY_BYTES,
+    canonicalize,
+    check_operation_id,
+    check_ordering_key,
+    check_tenant,
+)
+from outbox.clock import Clock, OffsetClock, SystemClock
+from outbox.config import DispatcherSettings, Endpoint
+from outbox.dispatch import DispatchSummary, Dispatcher, TransportFactory
+from outbox.errors import (
+    ConfigurationError,
+    OperationConflict,
+    OperationNotFound,
+    ValidationError,
+    WaitTimeout,
+)
+from outbox.model import Operation, State
+from outbox.store import Store, store_for
+from outbox.store.engine import DEFAULT_URL, create_engine
+from outbox.store.migrate import ensure_schema
+
+if TYPE_CHECKING:
+    from outbox.reconcile import Reconciler
+
+#: Engines made by outbox.create_engine: safe to use for our own SQLite writes.
+_CONFIGURED: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """One operation for ``enqueue_many``: the same arguments as ``enqueue``."""
+
+    endpoint: str
+    method: str
+    path: str
+    json: Any = None
+    headers: Mapping[str, str] | None = None
+    operation_id: str | None = None
+    tenant: str = ""
+    ordering_key: str | None = None
+
+
+def _connection_of(connection: Any) -> Connection:
+    if isinstance(connection, Connection):
+        return connection
+    get = getattr(connection, "connection", None)
+    if callable(get):  # an ORM Session: join its transaction
+        conn = get()
+        if isinstance(conn, Connection):
+            return conn
+    raise ValidationError("connection must be a SQLAlchemy Connection or ORM Session")
+
+
+class Outbox:
+    """A durable outbox over a SQLite file or a PostgreSQL database.
+
+    ``Outbox()`` uses ``./outbox.sqlite3``. On SQLite the schema is created or upgraded
+    on open, through the bundled migrations; on PostgreSQL run ``outbox migrate`` first
+    (several processes share that database, so schema changes are a deliberate step).
+    """
+
+    def __init__(
+        self,
+        db: str | URL | Engine | None = None,
+        *,
+        endpoints: Iterable[Endpoint] = (),
+        clock: Clock | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        secret_headers: Iterable[str] = (),
+        auto_migrate: bool | None = None,
+        dispatcher: DispatcherSettings | None = None,
+        transport_factory: TransportFactory | None = None,
+    ) -> None:
+        if isinstance(db, Engine):
+            user_engine = db
+            if user_engine.dialect.name == "sqlite" and user_engine not in _CONFIGURED:
+                # Our own writes need BEGIN IMMEDIATE and the pragmas: use an engine of ours
+                # on the same file; enqueue(connection=...) still joins the caller's.
+                self.engine = create_engine(user_engine.url)
+                self._owns_engine = True
+            else:
+                self.engine = user_engine
+                self._owns_engine = False
+        else:
+            self.engine = create_engine(db if db is not None else DEFAULT_URL)
+            self._owns_engine = True
+        _CONFIGURED.add(self.engine)
+        is_sqlite = self.engine.dialect.name == "sqlite"
+        ensure_schema(self.engine, create=is_sqlite if auto_migrate is None else auto_migrate)
+        self.store: Store = store_for(self.engine)
+        if clock is None:
+            server_ms = self.store.server_time_ms()
+            clock = SystemClock() if server_ms is None else OffsetClock(server_ms)
+        self.clock = clock
+        self.max_body_bytes = max_body_bytes
+        self.secret_headers = tuple(secret_headers)
+        self.dispatcher_settings = dispatcher or DispatcherSettings()
+        self.transport_factory = transport_factory
+        self._endpoints: dict[str, Endpoint] = {}
+        for endpoint in endpoints:
+            self.register(endpoint)
+
+    # -- configuration ------------------------------------------------------------
+
+    def register(self, endpoint: Endpoint) -> Endpoint:
+        """Make an endpoint known; operations name it, the URL and credentials stay here."""
+        if not isinstance(endpoint, Endpoint):
+            raise ConfigurationError("register() takes an Endpoint")
+        existing = self._endpoints.get(endpoint.name)
+        if existing is not None and existing != endpoint:
+            raise ConfigurationError(f"endpoint {endpoint.name!r} is already registered")
+        self._endpoints[endpoint.name] = endpoint
+        return endpoint
+
+    @property
+    def endpoints(self) -> Mapping[str, Endpoint]:
+        return dict(self._endpoints)
+
+    def close(self) -> None:
+        """Release the database connections this outbox opened."""
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        *,
+        endpoint: str,
+        method: str,
+        path: str,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        operation_id: str | None = None,
+        tenant: str = "",
+        ordering_key: str | None = None,
+        connection: Any = None,
+    ) -> Operation:
+        """Record the intent to call ``endpoint``; it is sent later by a dispatcher.
+
+        With ``connection`` (a SQLAlchemy Connection or ORM Session) the operation is
+        written in the caller's transaction and commits or rolls back with it; enqueue
+        never commits it. Without, it commits in a transaction of its own.
+
+        The same (tenant, operation ID) with the same arguments returns the stored
+        operation and writes nothing; with other arguments it raises
+        :class:`OperationConflict` and writes nothing. Bad input raises
+        :class:`ValidationError` before anything is written.
+        """
+        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
+        if connection is not None:
+            return self._enqueue_on(_connection_of(connection), intent)
+        with self.store.write() as conn:
+            return self._enqueue_on(conn, intent)
+
+    def enqueue_many(self, intents: Sequence[Intent], *, connection: Any = None) -> list[Operation]:
+        """Enqueue several operations in one transaction: all are stored, or none."""
+        if connection is not None:
+            conn = _connection_of(connection)
+            return [self._enqueue_on(conn, i) for i in intents]
+        # Validate everything first: a bad item must not leave the others half-done.
+        for intent in intents:
+            self._validate(intent)
+        with self.store.write() as conn:
+            return [self._enqueue_on(conn, i) for i in intents]
+
+    def _validate(self, intent: Intent) -> tuple[str, str, str | None, Any]:
+        op_id = intent.operation_id if intent.operation_id is not None else str(uuid.uuid4())
+        check_operation_id(op_id)
+        tenant = check_tenant(intent.tenant)
+        ordering_key = check_ordering_key(intent.ordering_key)
+        if intent.endpoint not in self._endpoints:
+            raise ValidationError(
+                f"unknown endpoint {intent.endpoint!r}; registered: {sorted(self._endpoints)}"
+            )
+        args = canonicalize(
+            endpoint=intent.endpoint,
+            method=intent.method,
+            path=intent.path,
+            json_body=intent.json,
+            headers=intent.headers,
+            max_body_bytes=self.max_body_bytes,
+            secret_headers=self.secret_headers,
+        )
+        return op_id, tenant, ordering_key, args
+
+    def _enqueue_on(self, conn: Connection, intent: Intent) -> Operation:
+        op_id, tenant, ordering_key, args = self._validate(intent)
+        now = self.clock.now_ms()
+        inserted = self.store.insert_operation(
+            conn, tenant=tenant, operation_id=op_id, args=args, ordering_key=ordering_key,
+            now_ms=now,
+        )
+        if inserted.created:
+            return Operation(
+                pk=inserted.pk,
+                tenant=tenant,
+                operation_id=op_id,
+                endpoint=args.endpoint,
+                method=args.method,
+                path=args.path,
+                headers=dict(args.headers),
+                body=json.loads(args.body_json) if args.body_json is not None else None,
+                state=State.PENDING,
+                reason=None,
+                ordering_key=ordering_key,
+                attempts_counted=0,
+                attempts_total=0,
+                created_at_ms=now,
+                updated_at_ms=now,
+                next_attempt_at_ms=now,
+                first_attempt_at_ms=None,
+                window_started_at_ms=None,
+                version=0,
+            )
+        if inserted.args_sha256 != args.args_sha256:
+            raise OperationConflict(
+                f"operation {op_id!r} (tenant {tenant!r}) is already stored with different "
+                "arguments; an operation ID names one intent. Use a new operation ID for a "
+                "new intent.",
+                tenant=tenant,
+                operation_id=op_id,
+            )
+        # Read on the same connection: the row may be the caller's own, uncommitted.
+        return self.store.operation_on(conn, tenant, op_id)
+
+    # -- reads --------------------------------------------------------------------
+
+    def get(self, operation_id: str, *, tenant: str = "") -> Operation:
+        """The operation with its attempt history; raises OperationNotFound."""
+        op = self.store.get_operation(check_tenant(tenant), check_operation_id(operation_id))
+        if op is None:
+            raise OperationNotFound(f"no operation {operation_id!r} in tenant {tenant!r}")
+        return op
+
+    def wait(
+        self, operation_id: str, *, tenant: str = "", timeout: float = 30.0, poll: float = 0.05
+    ) -> Operation:
+        """Block until the operation is terminal or unresolved; raises WaitTimeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.store.get_state(check_tenant(tenant), check_operation_id(operation_id))
+            if state is None:
+                raise OperationNotFound(f"no operation {operation_id!r} in tenant {tenant!r}")
+            if state.is_settled:
+                return self.get(operation_id, tenant=tenant)
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(
+                    f"operation {operation_id!r} is still {state.value} after {timeout}s"
+                )
+            time.sleep(poll)
+
+    @property
+    def reconcile(self) -> Reconciler:
+        """Operator actions: list, show, resolve, requeue, cancel, purge, status."""
+        from outbox.reconcile import Reconciler
+
+        return Reconciler(self)
+
+    # -- dispatch -----------------------------------------------------------------
+
+    def dispatcher(self, settings: DispatcherSettings | None = None) -> Dispatcher:
+        return Dispatcher(
+            store=self.store,
+            endpoints=self._endpoints,
+            clock=self.clock,
+            settings=settings or self.dispatcher_settings,
+            transport_factory=self.transport_factory,
+        )
+
+    async def dispatch_once_async(self) -> DispatchSummary:
+        return await self.dispatcher().run(once=True)
+
+    def dispatch_once(self) -> DispatchSummary:
+        """Claim one batch of due operations, send them and record the outcomes."""
+        return asyncio.run(self.dispatch_once_async())
+
+    async def run_dispatcher_async(
+        self, *, concurrency: int | None = None, stop: asyncio.Event | None = None
+    ) -> DispatchSummary:
+        """Dispatch until ``stop`` is set. Requests in flight finish before it returns."""
+        settings = self.dispatcher_settings
+        if concurrency is not None:
+            settings = DispatcherSettings(
+                concurrency=concurrency,
+                batch_size=settings.batch_size,
+                lease_seconds=settings.lease_seconds,
+                lease_margin_seconds=settings.lease_margin_seconds,
+                idle_poll_seconds=settings.idle_poll_seconds,
+                dispatcher_id=settings.dispatcher_id,
+            )
+        return await self.dispatcher(settings).run(stop)
+
+    def run_dispatcher(
+        self, *, concurrency: int | None = None, stop: threading.Event | None = None
+    ) -> DispatchSummary:
+        """Dispatch until SIGTERM or SIGINT (or ``stop`` is set), then drain and return."""
+
+        async def main() -> DispatchSummary:
+            loop = asyncio.get_running_loop()
+            stopping = asyncio.Event()
+            installed: list[int] = []
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, stopping.set)
+                    installed.append(sig)
+            watcher = None
+            if stop is not None:
+                watcher = asyncio.create_task(_watch(stop, stopping))
+            try:
+                return await self.run_dispatcher_async(concurrency=concurrency, stop=stopping)
+            finally:
+                for sig in installed:
+                    loop.remove_signal_handler(sig)
+                if watcher is not None:
+                    watcher.cancel()
+
+        return asyncio.run(main())
+
+
+async def _watch(flag: threading.Event, stopping: asyncio.Event) -> None:
+    while not flag.is_set():
+        await asyncio.sleep(0.05)
+    stopping.set()

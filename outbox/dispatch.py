@@ -1,0 +1,435 @@
+"""The dispatcher: claim -> commit attempt rows -> check the lease -> send -> record.
+
+One asyncio loop sends; one database thread runs the short store transactions, so no
+transaction is ever open while a request is on the wire. Outcomes are written in
+batches by a single writer task, each write fenced on the claim's lease token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import structlog
+
+from outbox import failpoints
+from outbox.clock import Clock, OffsetClock
+from outbox.config import DispatcherSettings, Endpoint
+from outbox.model import Delivery, State, Verdict
+from outbox.policy import decide, reason_from_history
+from outbox.store.base import Store
+from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
+from outbox.transport import AttemptResult, build_client, request_headers, send_attempt
+
+logger = structlog.get_logger("outbox.dispatch")
+
+T = TypeVar("T")
+TransportFactory = Callable[[Endpoint], httpx.AsyncBaseTransport | None]
+
+#: How often a dispatcher re-reads the database server's clock (PostgreSQL).
+_CLOCK_SYNC_SECONDS = 30.0
+#: An operation naming an endpoint this dispatcher does not know is put back for this long.
+_UNKNOWN_ENDPOINT_DELAY_MS = 60_000
+
+
+@dataclass
+class DispatchSummary:
+    """What a dispatcher did: counts of operations and attempts."""
+
+    claimed: int = 0
+    attempts: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retry_scheduled: int = 0
+    unresolved: int = 0
+    recovered: int = 0
+    fenced: int = 0
+    lease_check_failed: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "claimed": self.claimed,
+            "attempts": self.attempts,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "retry_scheduled": self.retry_scheduled,
+            "unresolved": self.unresolved,
+            "recovered": self.recovered,
+            "fenced": self.fenced,
+            "lease_check_failed": self.lease_check_failed,
+            "by_reason": dict(self.by_reason),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    claimed: Claimed
+    endpoint: Endpoint
+    started: StartedAttempt
+    token: str
+    claimed_mono: float
+    lease_seconds: float
+
+
+def default_dispatcher_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Dispatcher:
+    """Sends stored operations. Use through ``Outbox.run_dispatcher`` or ``dispatch_once``."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        endpoints: Mapping[str, Endpoint],
+        clock: Clock,
+        settings: DispatcherSettings,
+        transport_factory: TransportFactory | None = None,
+    ) -> None:
+        self.store = store
+        self.endpoints = dict(endpoints)
+        self.clock = clock
+        self.settings = settings
+        self.dispatcher_id = settings.dispatcher_id or default_dispatcher_id()
+        self.lease_seconds = settings.lease_for(self.endpoints)
+        self.summary = DispatchSummary()
+        self._transport_factory = transport_factory
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db")
+        self._outcomes: asyncio.Queue[AttemptOutcome | None] = asyncio.Queue()
+        self._inflight = 0
+        self._capacity = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        # pk -> the names the log binds, for the operations this dispatcher holds.
+        self._names: dict[int, dict[str, Any]] = {}
+        self._last_clock_sync = clock.monotonic()
+        self._log = logger.bind(dispatcher_id=self.dispatcher_id)
+
+    # -- plumbing -----------------------------------------------------------------
+
+    async def _run_db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._db, functools.partial(fn, **kwargs))
+
+    def _client(self, endpoint: Endpoint) -> httpx.AsyncClient:
+        client = self._clients.get(endpoint.name)
+        if client is None:
+            transport = self._transport_factory(endpoint) if self._transport_factory else None
+            client = build_client(endpoint, transport)
+            self._clients[endpoint.name] = client
+        return client
+
+    async def _maybe_sync_clock(self) -> None:
+        if not isinstance(self.clock, OffsetClock):
+            return
+        if self.clock.monotonic() - self._last_clock_sync < _CLOCK_SYNC_SECONDS:
+            return
+        server_ms = await self._run_db(self.store.server_time_ms)
+        if server_ms is not None:
+            self.clock.sync(server_ms)
+        self._last_clock_sync = self.clock.monotonic()
+
+    # -- the loop -----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None, *, once: bool = False) -> DispatchSummary:
+        """Dispatch until ``stop`` is set (or one batch, with ``once``)."""
+        stop = stop or asyncio.Event()
+        await self._run_db(self.store.preflight)
+        writer = asyncio.create_task(self._write_outcomes())
+        self._log.info("dispatcher_started", concurrency=self.settings.concurrency,
+                       lease_seconds=self.lease_seconds, once=once)
+        try:
+            while not stop.is_set():
+                free = self.settings.concurrency - self._inflight
+                low_water = max(1, min(self.settings.batch_size, self.settings.concurrency) // 4)
+                if free < low_water:
+                    self._capacity.clear()
+                    await _wait_any(self._capacity, stop, timeout=1.0)
+                    continue
+                await self._maybe_sync_clock()
+                started = await self._claim_and_start(min(free, self.settings.batch_size))
+                for work in started:
+                    self._inflight += 1
+                    task = asyncio.create_task(self._attempt(work))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                if once:
+                    break
+                if not started:
+                    await _wait_any(stop, timeout=self.settings.idle_poll_seconds)
+        finally:
+            # Graceful stop: no new claims; requests on the wire finish (each bounded by
+            # its deadline) and their outcomes are written before we return.
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._outcomes.put(None)
+            await writer
+            for client in self._clients.values():
+                await client.aclose()
+            self._clients.clear()
+            self._db.shutdown(wait=True)
+            self._log.info("dispatcher_stopped", **self.summary.as_dict())
+        return self.summary
+
+    async def _claim_and_start(self, limit: int) -> list[_Work]:
+        token = str(uuid.uuid4())
+        claimed_mono = self.clock.monotonic()
+        now = self.clock.now_ms()
+        claimed, recovered = await self._run_db(
+            self.store.claim,
+            owner=self.dispatcher_id,
+            token=token,
+            now_ms=now,
+            lease_ms=int(self.lease_seconds * 1000),
+            limit=limit,
+        )
+        if not claimed:
+            return []
+        self.summary.claimed += len(claimed)
+        self._log.debug("operations_claimed", count=len(claimed), lease_token=token)
+        for rec in recovered:
+            self.summary.recovered += 1
+            self._log.warning("lease_expired", operation_pk=rec.pk, request_id=rec.request_id,
+                              attempt=rec.number, previous_dispatcher=rec.dispatcher_id)
+        await failpoints.hit("after_claim")
+
+        to_send: dict[int, str] = {}
+        settlements: list[Settlement] = []
+        unknown_endpoint: list[int] = []
+        by_pk: dict[int, tuple[Claimed, Endpoint]] = {}
+        for c in claimed:
+            endpoint = self.endpoints.get(c.endpoint)
+            if endpoint is None:
+                unknown_endpoint.append(c.pk)
+                self._log.error("endpoint_not_registered", operation_id=c.operation_id,
+                                tenant=c.tenant, endpoint=c.endpoint)
+                continue
+            deadline = endpoint.deadline_ms(
+                window_started_at_ms=c.window_started_at or now,
+                first_attempt_at_ms=c.first_attempt_at or now,
+            )
+            if c.attempts_total and (
+                now > deadline or c.attempts_counted >= endpoint.retry.max_attempts
+            ):
+                reason = reason_from_history(maybe_delivered=c.maybe_delivered,
+                                             saw_refusal=c.saw_refusal)
+                settlements.append(Settlement(c.pk, token, State.UNRESOLVED, reason))
+                continue
+            to_send[c.pk] = str(uuid.uuid4())
+            by_pk[c.pk] = (c, endpoint)
+            self._names[c.pk] = {"operation_id": c.operation_id, "tenant": c.tenant,
+                                 "endpoint": c.endpoint}
+        if unknown_endpoint:
+            await self._run_db(self.store.release, token=token, now_ms=now, pks=unknown_endpoint,
+                               delay_ms=_UNKNOWN_ENDPOINT_DELAY_MS)
+        if settlements:
+            written = await self._run_db(self.store.settle, now_ms=now, settlements=settlements)
+            for s in settlements:
+                if s.pk in written:
+                    self._count_unresolved(s.reason)
+                    self._log.warning("operation_unresolved", operation_pk=s.pk,
+                                      reason=s.reason, why="window closed or attempts spent")
+        started = await self._run_db(
+            self.store.begin_attempts,
+            token=token,
+            owner=self.dispatcher_id,
+            now_ms=now,
+            lease_until=now + int(self.lease_seconds * 1000),
+            request_ids=to_send,
+        )
+        for pk in set(to_send) - {s.pk for s in started}:
+            self._names.pop(pk, None)
+        return [
+            _Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds)
+            for s in started
+        ]
+
+    async def _attempt(self, work: _Work) -> None:
+        c, endpoint, started = work.claimed, work.endpoint, work.started
+        log = self._log.bind(operation_id=c.operation_id, tenant=c.tenant,
+                             endpoint=endpoint.name, request_id=started.request_id,
+                             attempt=started.number)
+        try:
+            await failpoints.hit("after_attempt_commit")
+            # Re-check the lease on the monotonic clock: a process that was paused (GC,
+            # SIGSTOP, a frozen VM) must not wake up and send on a lease it lost.
+            remaining = work.lease_seconds - (self.clock.monotonic() - work.claimed_mono)
+            if remaining < endpoint.timeout + self.settings.lease_margin_seconds:
+                self.summary.lease_check_failed += 1
+                log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
+                await self._outcomes.put(self._not_sent(work))
+                return
+            headers = request_headers(
+                endpoint,
+                stored_headers=_json_headers(c.headers_json),
+                operation_id=c.operation_id,
+                request_id=started.request_id,
+                tenant=c.tenant,
+                has_body=c.body is not None,
+            )
+            log.info("attempt_started")
+            self.summary.attempts += 1
+            result = await send_attempt(
+                self._client(endpoint),
+                endpoint,
+                method=c.method,
+                path=c.path,
+                headers=headers,
+                body=c.body.encode("utf-8") if c.body is not None else None,
+                now_ms=self.clock.now_ms,
+            )
+            log.info("attempt_finished", status=result.status_code,
+                     delivery=result.classification.delivery,
+                     verdict=result.classification.verdict, error=result.error_class,
+                     duration_ms=result.duration_ms)
+            await failpoints.hit("after_response")
+            await self._outcomes.put(self._outcome(work, result))
+        except Exception as exc:
+            # A bug or a failpoint: leave the attempt open. The lease expires and the
+            # next claim records it as unknown; nothing is lost or resent early.
+            log.exception("attempt_crashed", error=type(exc).__name__)
+            self._names.pop(c.pk, None)
+            self._release_slot(1)
+
+    def _not_sent(self, work: _Work) -> AttemptOutcome:
+        c = work.claimed
+        return AttemptOutcome(
+            pk=c.pk,
+            lease_token=work.token,
+            request_id=work.started.request_id,
+            delivery=Delivery.NOT_SENT,
+            verdict=None,
+            counted=False,
+            status_code=None,
+            receiver_request_id=None,
+            error_class="LeaseCheckFailed",
+            error_message="not sent: too little of the lease was left for a full attempt",
+            duration_ms=0,
+            state=State.PENDING,
+            reason=None,
+            next_attempt_at=self.clock.now_ms(),
+            maybe_delivered=c.maybe_delivered,
+            saw_refusal=c.saw_refusal,
+        )
+
+    def _outcome(self, work: _Work, result: AttemptResult) -> AttemptOutcome:
+        c, endpoint, started = work.claimed, work.endpoint, work.started
+        cls = result.classification
+        counted = cls.verdict is not Verdict.IN_PROGRESS
+        maybe = c.maybe_delivered or cls.maybe_applied or cls.delivery is Delivery.UNKNOWN
+        refused = c.saw_refusal or cls.refused
+        now = self.clock.now_ms()
+        decision = decide(
+            endpoint=endpoint,
+            verdict=cls.verdict,
+            attempts_counted=c.attempts_counted + (1 if counted else 0),
+            maybe_delivered=maybe,
+            saw_refusal=refused,
+            retry_after_seconds=cls.retry_after_seconds,
+            deadline_ms=endpoint.deadline_ms(
+                window_started_at_ms=started.window_started_at,
+                first_attempt_at_ms=started.first_attempt_at,
+            ),
+            now_ms=now,
+        )
+        return AttemptOutcome(
+            pk=c.pk,
+            lease_token=work.token,
+            request_id=started.request_id,
+            delivery=cls.delivery,
+            verdict=cls.verdict,
+            counted=counted,
+            status_code=result.status_code,
+            receiver_request_id=result.receiver_request_id,
+            error_class=result.error_class,
+            error_message=result.error_message,
+            duration_ms=result.duration_ms,
+            state=decision.state,
+            reason=decision.reason,
+            next_attempt_at=decision.next_attempt_at_ms,
+            maybe_delivered=maybe,
+            saw_refusal=refused,
+            result=result.result,
+        )
+
+    def _release_slot(self, n: int) -> None:
+        self._inflight -= n
+        self._capacity.set()
+
+    def _count_unresolved(self, reason: Any) -> None:
+        self.summary.unresolved += 1
+        key = str(reason)
+        self.summary.by_reason[key] = self.summary.by_reason.get(key, 0) + 1
+
+    async def _write_outcomes(self) -> None:
+        done = False
+        while not done:
+            first = await self._outcomes.get()
+            if first is None:
+                break
+            batch = [first]
+            while not self._outcomes.empty() and len(batch) < 256:
+                item = self._outcomes.get_nowait()
+                if item is None:
+                    done = True
+                    break
+                batch.append(item)
+            try:
+                written = await self._run_db(
+                    self.store.record_outcomes, now_ms=self.clock.now_ms(), outcomes=batch
+                )
+            except Exception:
+                # The database is unavailable: the leases will expire and another claim
+                # records these attempts as unknown. Nothing is resent before that.
+                self._log.exception("outcome_write_failed", count=len(batch))
+                written = set()
+            for out in batch:
+                self._log_transition(out, applied=out.pk in written)
+            await failpoints.hit("after_outcome")
+            self._release_slot(len(batch))
+
+    def _log_transition(self, out: AttemptOutcome, *, applied: bool) -> None:
+        names = self._names.pop(out.pk, {"operation_pk": out.pk})
+        log = self._log.bind(request_id=out.request_id, **names)
+        if not applied:
+            self.summary.fenced += 1
+            log.warning("write_fenced", detail="another dispatcher holds the lease; dropped")
+            return
+        if out.state is State.SUCCEEDED:
+            self.summary.succeeded += 1
+            log.info("operation_succeeded", status=out.status_code)
+        elif out.state is State.FAILED:
+            self.summary.failed += 1
+            log.info("operation_failed", status=out.status_code)
+        elif out.state is State.UNRESOLVED:
+            self._count_unresolved(out.reason)
+            log.warning("operation_unresolved", reason=out.reason)
+        elif out.delivery is not Delivery.NOT_SENT or out.error_class != "LeaseCheckFailed":
+            self.summary.retry_scheduled += 1
+            log.info("retry_scheduled", next_attempt_at=out.next_attempt_at)
+
+
+def _json_headers(text: str) -> dict[str, str]:
+    import json
+
+    value = json.loads(text)
+    return {str(k): str(v) for k, v in value.items()}
+
+
+async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

@@ -1,0 +1,70 @@
+"""The exceptions outbox raises.
+
+Every exception derives from :class:`OutboxError`::
+
+    OutboxError
+    ├── ConfigurationError      an Endpoint, RetryPolicy or Outbox set up wrongly
+    ├── ValidationError         (also a ValueError) bad enqueue input; nothing was written
+    ├── OperationConflict       the (tenant, operation ID) exists with other arguments
+    ├── OperationNotFound       no operation with that (tenant, operation ID)
+    ├── WaitTimeout             (also a TimeoutError) wait() gave up before a settled state
+    ├── OperatorActionRefused   an operator command does not apply in the current state
+    │   └── ConcurrentModification  someone else changed the operation first
+    └── StoreError              the database failed or refused; the write did not happen
+        ├── NotStoredError      enqueue could not be stored (e.g. the database is locked)
+        └── SchemaError         the schema is missing or older than this code
+
+Delivery failures (timeouts, 5xx, refused connections) are never raised out of the
+dispatcher: they are recorded as attempt outcomes.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Base class of every error raised by outbox."""
+
+
+class ConfigurationError(OutboxError):
+    """An endpoint, retry policy or outbox was configured inconsistently."""
+
+
+class ValidationError(OutboxError, ValueError):
+    """Enqueue input was refused before anything was written."""
+
+
+class OperationConflict(OutboxError):
+    """The operation ID is already bound to different arguments in this tenant."""
+
+    def __init__(self, message: str, *, tenant: str, operation_id: str) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.operation_id = operation_id
+
+
+class OperationNotFound(OutboxError, LookupError):
+    """No operation exists with that tenant and operation ID."""
+
+
+class WaitTimeout(OutboxError, TimeoutError):
+    """``Outbox.wait`` timed out before the operation settled."""
+
+
+class OperatorActionRefused(OutboxError):
+    """An operator action does not apply to the operation in its current state."""
+
+
+class ConcurrentModification(OperatorActionRefused):
+    """The operation changed between reading it and acting on it; nothing was written."""
+
+
+class StoreError(OutboxError):
+    """The database failed; the write in progress did not happen."""
+
+
+class NotStoredError(StoreError):
+    """An operation could not be stored; the caller must treat it as not enqueued."""
+
+
+class SchemaError(StoreError):
+    """The database schema is missing or not at the version this code expects."""

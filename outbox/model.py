@@ -1,0 +1,168 @@
+"""The vocabulary shared by every module: states, reasons, outcomes and records."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+class State(enum.StrEnum):
+    """Where an operation is in its life."""
+
+    #: Waiting for its next attempt (or its first).
+    PENDING = "pending"
+    #: Claimed by a dispatcher under a lease; an attempt may be on the wire.
+    IN_FLIGHT = "in_flight"
+    #: The receiver answered 2xx. Terminal.
+    SUCCEEDED = "succeeded"
+    #: The receiver refused it definitively (e.g. 400). Terminal.
+    FAILED = "failed"
+    #: Cancelled by an operator before any attempt was sent. Terminal.
+    CANCELLED = "cancelled"
+    #: In the reconciliation queue: the outcome is not proven and nothing is sent again
+    #: until an operator decides.
+    UNRESOLVED = "unresolved"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @property
+    def is_settled(self) -> bool:
+        """Terminal or waiting for an operator: the dispatcher will not touch it."""
+        return self in TERMINAL_STATES or self is State.UNRESOLVED
+
+
+TERMINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+#: States that make a later operation with the same ordering key wait.
+BLOCKING_STATES = frozenset({State.PENDING, State.IN_FLIGHT, State.UNRESOLVED})
+
+
+class Reason(enum.StrEnum):
+    """Why an operation sits in the reconciliation queue."""
+
+    #: Some attempt may have reached the receiver (timeout, connection lost after the
+    #: request was written, a dispatcher crash mid-attempt, a 5xx that may follow work).
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    #: Only retryable refusals (503, 429, ...) were seen until attempts or window ran out.
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    #: Every attempt failed before the request left the machine.
+    NEVER_DELIVERED = "never_delivered"
+    #: The receiver says this key is bound to other arguments.
+    KEY_CONFLICT = "key_conflict"
+
+
+class Delivery(enum.StrEnum):
+    """What is known about whether an attempt's request reached the receiver."""
+
+    #: A response came back: the receiver saw it.
+    SENT = "sent"
+    #: It failed before any byte could have left (connection refused, lease check).
+    NOT_SENT = "not_sent"
+    #: It may or may not have arrived (timeout, connection lost, crash).
+    UNKNOWN = "unknown"
+
+
+class Verdict(enum.StrEnum):
+    """How one attempt's result is classified."""
+
+    SUCCESS = "success"
+    #: Retry; this attempt counts towards ``max_attempts``.
+    RETRY = "retry"
+    #: The receiver is still processing the key (409): retry without spending an attempt.
+    IN_PROGRESS = "in_progress"
+    #: A definitive refusal: the operation failed.
+    FAILED = "failed"
+    #: The receiver bound the key to other arguments.
+    KEY_CONFLICT = "key_conflict"
+
+
+class Action(enum.StrEnum):
+    """Operator actions recorded in the audit trail."""
+
+    RESOLVE = "resolve"
+    REQUEUE = "requeue"
+    CANCEL = "cancel"
+    PURGE = "purge"
+
+
+def ms_to_datetime(ms: int | None) -> datetime | None:
+    """Epoch milliseconds (how the store keeps time) to an aware UTC datetime."""
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One HTTP attempt: the evidence an operator reads."""
+
+    number: int
+    request_id: str
+    dispatcher_id: str
+    started_at_ms: int
+    lease_until_ms: int
+    finished_at_ms: int | None = None
+    delivery: Delivery | None = None  #: None while the attempt is open
+    verdict: Verdict | None = None
+    status_code: int | None = None
+    receiver_request_id: str | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    duration_ms: int | None = None
+    counted: bool = True  #: False for 409 "still processing", which spends no attempt
+
+    @property
+    def is_open(self) -> bool:
+        return self.delivery is None
+
+    @property
+    def started_at(self) -> datetime:
+        started = ms_to_datetime(self.started_at_ms)
+        assert started is not None
+        return started
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What a successful (or definitively failed) attempt got back."""
+
+    status_code: int
+    headers: dict[str, str]
+    body: Any  #: parsed JSON, or text, or None for an empty or binary body
+    body_sha256: str
+    body_size: int
+    truncated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """A stored intent to call a remote API, as the store sees it now."""
+
+    tenant: str
+    operation_id: str
+    endpoint: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any  #: the parsed canonical JSON body, or None
+    state: State
+    reason: Reason | None
+    ordering_key: str | None
+    attempts_counted: int
+    attempts_total: int
+    created_at_ms: int
+    updated_at_ms: int
+    next_attempt_at_ms: int | None
+    first_attempt_at_ms: int | None
+    window_started_at_ms: int | None
+    version: int
+    result: Result | None = None
+    attempts: tuple[Attempt, ...] = field(default=())
+    pk: int = 0
+
+    @property
+    def is_settled(self) -> bool:
+        return self.state.is_settled

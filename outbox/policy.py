@@ -1,0 +1,102 @@
+"""Retry decisions: pure functions from the stored history to the next state.
+
+A decision is data (a state and a time), never a sleep. tenacity's wait strategies are
+the vocabulary; they are evaluated on a ``RetryCallState`` filled from the attempt
+counts in the database, so a restart neither resets nor repeats the backoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+
+from tenacity import RetryCallState, Retrying
+
+from outbox.config import Endpoint
+from outbox.model import Reason, State, Verdict
+
+_RETRYING = Retrying()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    state: State
+    reason: Reason | None = None
+    next_attempt_at_ms: int | None = None
+    #: Why: for the log and for a reader of tests.
+    why: str = ""
+
+
+def backoff_seconds(endpoint: Endpoint, attempts_counted: int) -> float:
+    """The wait after the ``attempts_counted``-th attempt, by the endpoint's strategy."""
+    state = RetryCallState(retry_object=_RETRYING, fn=None, args=(), kwargs={})
+    state.attempt_number = max(1, attempts_counted)
+    return max(0.0, float(endpoint.retry.wait(state)))
+
+
+def parse_retry_after(value: str | None, now_ms: int) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date).
+
+    Garbage is ignored (None): the backoff then decides alone.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - now_ms / 1000)
+
+
+def reason_from_history(*, maybe_delivered: bool, saw_refusal: bool) -> Reason:
+    """Why an operation that ran out of retries is unresolved."""
+    if maybe_delivered:
+        return Reason.OUTCOME_UNKNOWN
+    if saw_refusal:
+        return Reason.RETRIES_EXHAUSTED
+    return Reason.NEVER_DELIVERED
+
+
+def decide(
+    *,
+    endpoint: Endpoint,
+    verdict: Verdict,
+    attempts_counted: int,
+    maybe_delivered: bool,
+    saw_refusal: bool,
+    retry_after_seconds: float | None,
+    deadline_ms: int,
+    now_ms: int,
+) -> Decision:
+    """The operation's next state after an attempt.
+
+    ``attempts_counted`` includes this attempt if it counted; the flags include what
+    this attempt observed.
+    """
+    if verdict is Verdict.SUCCESS:
+        return Decision(State.SUCCEEDED, why="2xx")
+    if verdict is Verdict.FAILED:
+        return Decision(State.FAILED, why="definitive refusal")
+    if verdict is Verdict.KEY_CONFLICT:
+        return Decision(State.UNRESOLVED, Reason.KEY_CONFLICT, why="key bound to other arguments")
+    reason = reason_from_history(maybe_delivered=maybe_delivered, saw_refusal=saw_refusal)
+    if verdict is Verdict.RETRY and attempts_counted >= endpoint.retry.max_attempts:
+        return Decision(State.UNRESOLVED, reason, why="attempts spent")
+    delay = backoff_seconds(endpoint, attempts_counted)
+    if retry_after_seconds is not None:
+        if now_ms + retry_after_seconds * 1000 > deadline_ms:
+            return Decision(State.UNRESOLVED, reason, why="Retry-After points past the window")
+        delay = max(delay, retry_after_seconds)
+    next_at = now_ms + int(delay * 1000)
+    if next_at > deadline_ms:
+        # Backoff may be shortened to fit the window: one more try inside it is better
+        # than none, and never later than the deadline.
+        if deadline_ms - now_ms <= 0:
+            return Decision(State.UNRESOLVED, reason, why="window closed")
+        next_at = deadline_ms
+    return Decision(State.PENDING, None, next_at, why="retry scheduled")

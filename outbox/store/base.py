@@ -1,0 +1,727 @@
+"""Dialect-neutral SQL. The only module, with its dialect subclasses, that speaks SQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+
+    delete,
+    exists,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.sql.elements import ColumnElement
+
+from outbox.canonical import CanonicalArgs
+from outbox.errors import NotStoredError, StoreError
+from outbox.model import Attempt, Delivery, Operation, Reason, Result, State, Verdict
+from outbox.store.records import (
+    AttemptOutcome,
+    Claimed,
+    Recovered,
+    Settlement,
+    StartedAttempt,
+)
+from outbox.store.tables import attempts, audit, operations
+
+o = operations
+a = attempts
+
+
+def _states(*states: State) -> list[Any]:
+    # Literal values, not bound parameters: SQLite uses a partial index only when it can
+    # see that the query's WHERE implies the index's.
+    return [literal_column(f"'{s.value}'") for s in states]
+
+
+DUE: ColumnElement[bool] = o.c.state.in_(_states(State.PENDING, State.IN_FLIGHT))
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    pk: int
+    created: bool
+    args_sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    tenant: str
+    operation_id: str
+    actor: str
+    action: str
+    from_state: str | None
+    to_state: str | None
+    note: str
+    details: dict[str, Any] | None
+    at_ms: int
+
+
+class Store:
+    """Every read and write of the outbox tables. Subclasses add the dialect's claim."""
+
+    dialect = "generic"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._read_engine = engine.execution_options(outbox_read_only=True)
+
+    # -- transactions -------------------------------------------------------------
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A short write transaction (BEGIN IMMEDIATE on SQLite)."""
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except OperationalError as exc:
+            raise StoreError(f"database write failed: {exc.orig}") from exc
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        with self._read_engine.connect() as conn:
+            yield conn
+
+    def server_time_ms(self) -> int | None:
+        """The database server's clock, where the database has one worth using."""
+        return None
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def _insert_ignoring_duplicate(self, values: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def insert_operation(
+        self,
+        conn: Connection,
+        *,
+        tenant: str,
+        operation_id: str,
+        args: CanonicalArgs,
+        ordering_key: str | None,
+        now_ms: int,
+    ) -> InsertResult:
+        """Insert a pending operation, or find the one already stored under the key.
+
+        Atomic under concurrency: the unique (tenant, operation_id) constraint decides
+        the winner; the loser reads the winner's row and writes nothing.
+        """
+        values = {
+            "tenant": tenant,
+            "operation_id": operation_id,
+            "endpoint": args.endpoint,
+            "method": args.method,
+            "path": args.path,
+            "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
+            "body": args.body_json,
+            "args_sha256": args.args_sha256,
+            "ordering_key": ordering_key,
+            "state": State.PENDING.value,
+            "attempts_counted": 0,
+            "attempts_total": 0,
+            "maybe_delivered": False,
+            "saw_refusal": False,
+            "next_attempt_at": now_ms,
+            "version": 0,
+            "created_at": now_ms,
+            "updated_at": now_ms,
+        }
+        try:
+            pk = conn.execute(self._insert_ignoring_duplicate(values)).scalar()
+            if pk is not None:
+                return InsertResult(pk=pk, created=True, args_sha256=args.args_sha256)
+            row = conn.execute(
+                select(o.c.id, o.c.args_sha256).where(
+                    o.c.tenant == tenant, o.c.operation_id == operation_id
+                )
+            ).one()
+        except DBAPIError as exc:
+            raise NotStoredError(f"the operation was not stored: {exc.orig}") from exc
+        return InsertResult(pk=row.id, created=False, args_sha256=row.args_sha256)
+
+    # -- reads --------------------------------------------------------------------
+
+    def get_operation(
+        self, tenant: str, operation_id: str, *, with_attempts: bool = True
+    ) -> Operation | None:
+        with self.read() as conn:
+            row = conn.execute(
+                select(o).where(o.c.tenant == tenant, o.c.operation_id == operation_id)
+            ).one_or_none()
+            if row is None:
+                return None
+            history: tuple[Attempt, ...] = ()
+            if with_attempts:
+                history = tuple(
+                    _attempt(r)
+                    for r in conn.execute(
+                        select(a).where(a.c.operation_pk == row.id).order_by(a.c.number)
+                    )
+                )
+        return _operation(row, history)
+
+    def operation_on(self, conn: Connection, tenant: str, operation_id: str) -> Operation:
+        """Read an operation on the given connection (inside its transaction)."""
+        row = conn.execute(
+            select(o).where(o.c.tenant == tenant, o.c.operation_id == operation_id)
+        ).one()
+        return _operation(row, ())
+
+    def get_state(self, tenant: str, operation_id: str) -> State | None:
+        with self.read() as conn:
+            value = conn.execute(
+                select(o.c.state).where(o.c.tenant == tenant, o.c.operation_id == operation_id)
+            ).scalar()
+        return State(value) if value is not None else None
+
+    def blocking_predecessor(self, op: Operation) -> str | None:
+        """The operation ID that an ordering key makes this one wait for, if any."""
+        if op.ordering_key is None:
+            return None
+        with self.read() as conn:
+            return conn.execute(
+                select(o.c.operation_id)
+                .where(
+                    o.c.tenant == op.tenant,
+                    o.c.ordering_key == op.ordering_key,
+                    o.c.id < op.pk,
+                    o.c.state.in_([s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]),
+                )
+                .order_by(o.c.id)
+                .limit(1)
+            ).scalar()
+
+    def preflight(self) -> None:
+        """Checks before a dispatcher starts (the SQLite store checks its file)."""
+
+    def count_operations(self) -> int:
+        with self.read() as conn:
+            return int(conn.execute(select(func.count()).select_from(o)).scalar_one())
+
+    # -- dispatch -----------------------------------------------------------------
+
+    def _due_ids(self, now_ms: int, limit: int) -> Any:
+        """SELECT of the ids a claim may take, oldest due first."""
+        earlier = o.alias("earlier")
+        blocked = exists().where(
+            earlier.c.tenant == o.c.tenant,
+            earlier.c.ordering_key == o.c.ordering_key,
+            earlier.c.id < o.c.id,
+            earlier.c.state.in_(_states(State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)),
+        )
+        return (
+            select(o.c.id)
+            .where(DUE, o.c.next_attempt_at <= now_ms)
+            .where(or_(o.c.ordering_key.is_(None), ~blocked))
+            .order_by(o.c.next_attempt_at)
+            .limit(limit)
+        )
+
+    def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    _CLAIMED_COLUMNS = (
+        o.c.id,
+        o.c.tenant,
+        o.c.operation_id,
+        o.c.endpoint,
+        o.c.method,
+        o.c.path,
+        o.c.headers,
+        o.c.body,
+        o.c.attempts_counted,
+        o.c.attempts_total,
+        o.c.maybe_delivered,
+        o.c.saw_refusal,
+        o.c.first_attempt_at,
+        o.c.window_started_at,
+        o.c.lease_until,
+    )
+
+    def claim(
+        self, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
+    ) -> tuple[list[Claimed], list[Recovered]]:
+        """Take up to ``limit`` due operations under a new lease, in one short transaction.
+
+        Operations whose previous lease expired are taken too; their open attempts are
+        closed as ``unknown`` in the same transaction.
+        """
+        until = now_ms + lease_ms
+        values = {
+            "state": State.IN_FLIGHT.value,
+            "lease_token": token,
+            "lease_owner": owner,
+            "lease_until": until,
+            "next_attempt_at": until,
+            "version": o.c.version + 1,
+            "updated_at": now_ms,
+        }
+        with self.write() as conn:
+            rows = conn.execute(self._claim_statement(now_ms=now_ms, limit=limit, values=values))
+            claimed = [
+                Claimed(
+                    pk=r.id,
+                    tenant=r.tenant,
+                    operation_id=r.operation_id,
+                    endpoint=r.endpoint,
+                    method=r.method,
+                    path=r.path,
+                    headers_json=r.headers,
+                    body=r.body,
+                    attempts_counted=r.attempts_counted,
+                    attempts_total=r.attempts_total,
+                    maybe_delivered=bool(r.maybe_delivered),
+                    saw_refusal=bool(r.saw_refusal),
+                    first_attempt_at=r.first_attempt_at,
+                    window_started_at=r.window_started_at,
+                    lease_until=r.lease_until,
+                )
+                for r in rows
+            ]
+            if not claimed:
+                return [], []
+            recovered = self._close_open_attempts(conn, [c.pk for c in claimed], now_ms)
+        if recovered:
+            flagged = {r.pk for r in recovered}
+            claimed = [
+                _replace_flag(c) if c.pk in flagged else c for c in claimed
+            ]
+        return claimed, recovered
+
+    def _close_open_attempts(
+        self, conn: Connection, pks: Sequence[int], now_ms: int
+    ) -> list[Recovered]:
+        rows = conn.execute(
+            update(a)
+            .where(a.c.operation_pk.in_(pks), a.c.delivery.is_(None))
+            .values(
+                delivery=Delivery.UNKNOWN.value,
+                finished_at=now_ms,
+                error_class="LeaseExpired",
+                error_message=(
+                    "the dispatcher's lease expired before it recorded an outcome "
+                    "(it crashed, was killed or paused); the request may have been sent"
+                ),
+            )
+            .returning(a.c.operation_pk, a.c.request_id, a.c.number, a.c.dispatcher_id)
+        ).all()
+        if rows:
+            conn.execute(
+                update(o)
+                .where(o.c.id.in_([r.operation_pk for r in rows]))
+                .values(maybe_delivered=True)
+            )
+        return [
+            Recovered(pk=r.operation_pk, request_id=r.request_id, number=r.number,
+                      dispatcher_id=r.dispatcher_id)
+            for r in rows
+        ]
+
+    def begin_attempts(
+        self,
+        *,
+        token: str,
+        owner: str,
+        now_ms: int,
+        lease_until: int,
+        request_ids: dict[int, str],
+    ) -> list[StartedAttempt]:
+        """Commit the attempt rows of a batch before any of them is sent.
+
+        Fenced on the lease token: an operation another dispatcher took over gets no
+        attempt and must not be sent.
+        """
+        if not request_ids:
+            return []
+        with self.write() as conn:
+            rows = conn.execute(
+                update(o)
+                .where(o.c.id.in_(list(request_ids)), o.c.lease_token == token)
+                .values(
+                    attempts_total=o.c.attempts_total + 1,
+                    attempts_counted=o.c.attempts_counted + 1,
+                    first_attempt_at=func.coalesce(o.c.first_attempt_at, now_ms),
+                    window_started_at=func.coalesce(o.c.window_started_at, now_ms),
+                    updated_at=now_ms,
+                )
+                .returning(o.c.id, o.c.attempts_total, o.c.first_attempt_at,
+                           o.c.window_started_at)
+            ).all()
+            started = [
+                StartedAttempt(
+                    pk=r.id,
+                    request_id=request_ids[r.id],
+                    number=r.attempts_total,
+                    first_attempt_at=r.first_attempt_at,
+                    window_started_at=r.window_started_at,
+                )
+                for r in rows
+            ]
+            if started:
+                conn.execute(
+                    insert(a),
+                    [
+                        {
+                            "operation_pk": s.pk,
+                            "number": s.number,
+                            "request_id": s.request_id,
+                            "dispatcher_id": owner,
+                            "lease_token": token,
+                            "started_at": now_ms,
+                            "lease_until": lease_until,
+                        }
+                        for s in started
+                    ],
+                )
+        return started
+
+    def record_outcomes(self, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
+        """Write attempt outcomes and transitions; returns the operations written.
+
+        Each write is fenced on the lease token: if another dispatcher has taken the
+        operation over, neither the attempt nor the operation changes.
+        """
+        written: set[int] = set()
+        with self.write() as conn:
+            for out in outcomes:
+                values: dict[str, Any] = {
+                    "state": out.state.value,
+                    "reason": out.reason.value if out.reason else None,
+                    "next_attempt_at": out.next_attempt_at,
+                    "lease_token": None,
+                    "lease_owner": None,
+                    "lease_until": None,
+                    "maybe_delivered": out.maybe_delivered,
+                    "saw_refusal": out.saw_refusal,
+                    "updated_at": now_ms,
+                }
+                if not out.counted:
+                    values["attempts_counted"] = o.c.attempts_counted - 1
+                if out.state.is_settled:
+                    values["finished_at"] = now_ms
+                if out.result is not None:
+                    values.update(
+                        result_status=out.result.status,
+                        result_headers=out.result.headers_json,
+                        result_body=out.result.body,
+                        result_sha256=out.result.sha256,
+                        result_size=out.result.size,
+                        result_truncated=out.result.truncated,
+                    )
+                changed = conn.execute(
+                    update(o)
+                    .where(o.c.id == out.pk, o.c.lease_token == out.lease_token)
+                    .values(values)
+                ).rowcount
+                if changed != 1:
+                    continue
+                conn.execute(
+                    update(a)
+                    .where(a.c.request_id == out.request_id, a.c.delivery.is_(None))
+                    .values(
+                        delivery=out.delivery.value,
+                        verdict=out.verdict.value if out.verdict else None,
+                        counted=out.counted,
+                        status_code=out.status_code,
+                        receiver_request_id=out.receiver_request_id,
+                        error_class=out.error_class,
+                        error_message=out.error_message,
+                        duration_ms=out.duration_ms,
+                        finished_at=now_ms,
+                    )
+                )
+                written.add(out.pk)
+        return written
+
+    def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
+        """Move claimed operations to a state without sending (e.g. window closed)."""
+        written: set[int] = set()
+        if not settlements:
+            return written
+        with self.write() as conn:
+            for s in settlements:
+                changed = conn.execute(
+                    update(o)
+                    .where(o.c.id == s.pk, o.c.lease_token == s.lease_token)
+                    .values(
+                        state=s.state.value,
+                        reason=s.reason.value if s.reason else None,
+                        next_attempt_at=None,
+                        lease_token=None,
+                        lease_owner=None,
+                        lease_until=None,
+                        updated_at=now_ms,
+                        finished_at=now_ms,
+                    )
+                ).rowcount
+                if changed == 1:
+                    written.add(s.pk)
+        return written
+
+    def release(self, *, token: str, now_ms: int, pks: Sequence[int], delay_ms: int = 0) -> int:
+        """Give back claimed operations without an attempt, due again after ``delay_ms``."""
+        if not pks:
+            return 0
+        with self.write() as conn:
+            return conn.execute(
+                update(o)
+                .where(o.c.id.in_(list(pks)), o.c.lease_token == token)
+                .values(
+                    state=State.PENDING.value,
+                    next_attempt_at=now_ms + delay_ms,
+                    lease_token=None,
+                    lease_owner=None,
+                    lease_until=None,
+                    updated_at=now_ms,
+                )
+            ).rowcount
+
+    # -- operators ----------------------------------------------------------------
+
+    def list_operations(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | None = None,
+        older_than_ms: int | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[Operation]:
+        query = select(o).where(o.c.state.in_([s.value for s in states]))
+        if tenant is not None:
+            query = query.where(o.c.tenant == tenant)
+        if endpoint is not None:
+            query = query.where(o.c.endpoint == endpoint)
+        if reason is not None:
+            query = query.where(o.c.reason == reason.value)
+        if older_than_ms is not None:
+            query = query.where(o.c.updated_at <= older_than_ms)
+        query = query.order_by(o.c.updated_at, o.c.id).limit(limit).offset(offset)
+        with self.read() as conn:
+            return [_operation(r, ()) for r in conn.execute(query)]
+
+    def transition_by_operator(
+        self,
+        *,
+        pk: int,
+        expected_version: int,
+        from_state: State,
+        values: dict[str, Any],
+        audit_row: dict[str, Any],
+    ) -> bool:
+        """Apply an operator's change if nobody changed the operation since it was read.
+
+        The audit row is written in the same transaction, or not at all.
+        """
+        values = {**values, "version": o.c.version + 1}
+        with self.write() as conn:
+            changed = conn.execute(
+                update(o)
+                .where(
+                    o.c.id == pk,
+                    o.c.version == expected_version,
+                    o.c.state == from_state.value,
+                )
+                .values(values)
+            ).rowcount
+            if changed != 1:
+                return False
+            conn.execute(insert(audit).values(audit_row))
+        return True
+
+    def audit_trail(self, tenant: str, operation_id: str) -> list[AuditRecord]:
+        with self.read() as conn:
+            rows = conn.execute(
+                select(audit)
+                .where(audit.c.tenant == tenant, audit.c.operation_id == operation_id)
+                .order_by(audit.c.id)
+            ).all()
+        return [
+            AuditRecord(
+                tenant=r.tenant,
+                operation_id=r.operation_id,
+                actor=r.actor,
+                action=r.action,
+                from_state=r.from_state,
+                to_state=r.to_state,
+                note=r.note,
+                details=json.loads(r.details) if r.details else None,
+                at_ms=r.at,
+            )
+            for r in rows
+        ]
+
+    def purge(self, *, finished_before_ms: int, batch_size: int = 500) -> dict[str, int]:
+        """Delete terminal operations finished before the cutoff, with their attempts.
+
+        Unresolved, pending and in-flight operations are never touched. Works in
+        bounded batches so no transaction grows with the table.
+        """
+        removed: dict[str, int] = {}
+        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
+        while True:
+            with self.write() as conn:
+                batch = conn.execute(
+                    select(o.c.id, o.c.state)
+                    .where(o.c.state.in_(terminal), o.c.finished_at < finished_before_ms)
+                    .limit(batch_size)
+                ).all()
+                if not batch:
+                    return removed
+                ids = [r.id for r in batch]
+                conn.execute(delete(a).where(a.c.operation_pk.in_(ids)))
+                conn.execute(delete(o).where(o.c.id.in_(ids), o.c.state.in_(terminal)))
+            for r in batch:
+                removed[r.state] = removed.get(r.state, 0) + 1
+
+    def record_audit(self, row: dict[str, Any]) -> None:
+        with self.write() as conn:
+            conn.execute(insert(audit).values(row))
+
+    def state_counts(self) -> dict[str, int]:
+        with self.read() as conn:
+            return {
+                r.state: r.n
+                for r in conn.execute(
+                    select(o.c.state, func.count().label("n")).group_by(o.c.state)
+                )
+            }
+
+    def reason_counts(self) -> dict[str, int]:
+        with self.read() as conn:
+            return {
+                r.reason: r.n
+                for r in conn.execute(
+                    select(o.c.reason, func.count().label("n"))
+                    .where(o.c.state == State.UNRESOLVED.value)
+                    .group_by(o.c.reason)
+                )
+            }
+
+    def oldest_pending_created_ms(self) -> int | None:
+        with self.read() as conn:
+            return conn.execute(
+                select(func.min(o.c.created_at)).where(o.c.state == State.PENDING.value)
+            ).scalar()
+
+    def attempts_since(self, since_ms: int) -> int:
+        with self.read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).select_from(a).where(a.c.started_at >= since_ms)
+                ).scalar_one()
+            )
+
+    def open_key_ages(self) -> list[tuple[str, int]]:
+        """(endpoint, earliest first attempt) of operations whose key is still in play."""
+        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        with self.read() as conn:
+            return [
+                (r.endpoint, r.first)
+                for r in conn.execute(
+                    select(o.c.endpoint, func.min(o.c.first_attempt_at).label("first"))
+                    .where(o.c.state.in_(live), o.c.first_attempt_at.is_not(None))
+                    .group_by(o.c.endpoint)
+                )
+            ]
+
+    def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
+        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        with self.read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(o)
+                    .where(
+                        o.c.endpoint == endpoint,
+                        o.c.state.in_(live),
+                        o.c.first_attempt_at.is_not(None),
+                        o.c.first_attempt_at <= first_attempt_before_ms,
+                    )
+                ).scalar_one()
+            )
+
+
+def _replace_flag(c: Claimed) -> Claimed:
+    from dataclasses import replace
+
+    return replace(c, maybe_delivered=True)
+
+
+def _attempt(r: Row[Any]) -> Attempt:
+    return Attempt(
+        number=r.number,
+        request_id=r.request_id,
+        dispatcher_id=r.dispatcher_id,
+        started_at_ms=r.started_at,
+        lease_until_ms=r.lease_until,
+        finished_at_ms=r.finished_at,
+        delivery=Delivery(r.delivery) if r.delivery else None,
+        verdict=Verdict(r.verdict) if r.verdict else None,
+        status_code=r.status_code,
+        receiver_request_id=r.receiver_request_id,
+        error_class=r.error_class,
+        error_message=r.error_message,
+        duration_ms=r.duration_ms,
+        counted=bool(r.counted),
+    )
+
+
+def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
+    result = None
+    if r.result_status is not None:
+        body: Any = r.result_body
+        if body is not None:
+            try:
+                body = json.loads(body)
+            except ValueError:
+                pass
+        result = Result(
+            status_code=r.result_status,
+            headers=json.loads(r.result_headers or "{}"),
+            body=body,
+            body_sha256=r.result_sha256 or "",
+            body_size=r.result_size or 0,
+            truncated=bool(r.result_truncated),
+        )
+    return Operation(
+        pk=r.id,
+        tenant=r.tenant,
+        operation_id=r.operation_id,
+        endpoint=r.endpoint,
+        method=r.method,
+        path=r.path,
+        headers=json.loads(r.headers),
+        body=json.loads(r.body) if r.body is not None else None,
+        state=State(r.state),
+        reason=Reason(r.reason) if r.reason else None,
+        ordering_key=r.ordering_key,
+        attempts_counted=r.attempts_counted,
+        attempts_total=r.attempts_total,
+        created_at_ms=r.created_at,
+        updated_at_ms=r.updated_at,
+        next_attempt_at_ms=r.next_attempt_at,
+        first_attempt_at_ms=r.first_attempt_at,
+        window_started_at_ms=r.window_started_at,
+        version=r.version,
+        result=result,
+        attempts=history,
+    )
+
+
+__all__ = ["DUE", "AuditRecord", "InsertResult", "Store"]

@@ -1,0 +1,124 @@
+"""Engines configured the way outbox needs them, for SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import stat
+import weakref
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, event
+from sqlalchemy import create_engine as sa_create_engine
+from sqlalchemy.engine import URL, make_url
+
+from outbox.errors import ConfigurationError, StoreError
+
+#: How long a SQLite writer waits for the lock before giving up, in milliseconds.
+#: Long enough to ride out another process's short write transaction (ours are a few
+#: milliseconds), short enough that a stuck writer becomes a clear error rather than a
+#: silent stall of the caller's request.
+SQLITE_BUSY_TIMEOUT_MS = 5000
+
+DEFAULT_URL = "sqlite:///outbox.sqlite3"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Accept ``postgresql://`` and pick the psycopg 3 driver for it."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ConfigurationError(f"unsupported database {parsed.drivername!r}: use sqlite or postgresql")
+    return parsed
+
+
+def sqlite_path(url: URL) -> Path | None:
+    """The file behind a SQLite URL, or None for an in-memory database."""
+    database = url.database
+    if not database or database == ":memory:" or database.startswith("file::memory:"):
+        return None
+    return Path(database)
+
+
+def create_private_file(path: Path) -> None:
+    """Create an empty database file readable and writable by its owner only (0600).
+
+    SQLite gives the -wal and -shm files the same mode as the database file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
+def check_private_file(path: Path) -> None:
+    """Refuse a database file that group or others can read or write."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise StoreError(
+            f"refusing to use {path}: its mode is {mode:04o}, readable by group or others; "
+            f"it holds request arguments. Run: chmod 600 {path}"
+        )
+
+
+def create_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> Engine:
+    """An engine for outbox: SQLite with WAL, ``synchronous=FULL``, a busy timeout and
+    ``BEGIN IMMEDIATE`` write transactions; PostgreSQL through psycopg 3.
+
+    Applications that enqueue inside their own transactions on SQLite should use an
+    engine made here (or configured alike), so their transactions take the write lock
+    up front instead of failing to upgrade a read lock under contention.
+    """
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        kwargs.setdefault("pool_pre_ping", True)
+        engine = sa_create_engine(parsed, **kwargs)
+    else:
+        path = sqlite_path(parsed)
+        if path is not None:
+            create_private_file(path)
+        engine = sa_create_engine(parsed, **kwargs)
+        configure_sqlite(engine)
+    _dispose_in_forked_children(engine)
+    return engine
+
+
+def configure_sqlite(engine: Engine) -> None:
+    """Install the pragmas and the BEGIN IMMEDIATE behaviour on a SQLite engine."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event, not the driver, decide how transactions start.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            # FULL: a commit is on disk before enqueue returns, even across power loss.
+            cursor.execute("PRAGMA synchronous = FULL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        if connection.get_execution_options().get("outbox_read_only"):
+            connection.exec_driver_sql("BEGIN")
+        else:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _dispose_in_forked_children(engine: Engine) -> None:
+    # A pooled connection carried across fork() is shared by two processes; SQLite and
+    # libpq both corrupt state that way. The child starts with an empty pool instead.
+    ref = weakref.ref(engine)
+
+    def _after_fork() -> None:
+        forked = ref()
+        if forked is not None:
+            forked.dispose(close=False)
+
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,70 @@
+"""Runs the bundled Alembic migrations and checks the schema version at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Engine, inspect, text
+
+from outbox.errors import SchemaError
+
+VERSION_TABLE = "outbox_alembic_version"
+#: The newest revision this code expects.
+HEAD = "0001"
+
+
+def migrations_dir() -> Path:
+    """The migrations bundled with the installed package, or the source checkout's."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "migrations", package.parent / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise SchemaError(f"the outbox migrations are missing (looked beside {package})")
+
+
+def _config(engine: Engine, connection: object | None = None) -> object:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        if not inspect(conn).has_table(VERSION_TABLE):
+            return None
+        return conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Apply migrations up to ``revision`` (idempotent)."""
+    from alembic import command
+
+    with engine.begin() as conn:
+        command.upgrade(_config(engine, conn), revision)  # type: ignore[arg-type]
+
+
+def downgrade(engine: Engine, revision: str = "base") -> None:
+    from alembic import command
+
+    with engine.begin() as conn:
+        command.downgrade(_config(engine, conn), revision)  # type: ignore[arg-type]
+
+
+def ensure_schema(engine: Engine, *, create: bool) -> None:
+    """Check the schema is at HEAD; on ``create``, migrate it there first."""
+    revision = current_revision(engine)
+    if revision == HEAD:
+        return
+    if create:
+        upgrade(engine)
+        return
+    where = "is missing" if revision is None else f"is at revision {revision}, not {HEAD}"
+    raise SchemaError(
+        f"the outbox schema {where} in {engine.url.render_as_string(hide_password=True)}; "
+        "run: outbox migrate --db URL"
+    )

@@ -1,0 +1,47 @@
+"""PostgreSQL: claim through a materialized CTE with FOR UPDATE SKIP LOCKED.
+
+``UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`` may be planned
+so that the subquery runs more than once and locks (and returns) more rows than asked
+for; a MATERIALIZED CTE runs exactly once. Any number of dispatchers on any number of
+machines can claim concurrently: each skips the rows the others hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.store.base import Store
+from outbox.store.tables import operations as o
+
+
+class PostgresStore(Store):
+    dialect = "postgresql"
+
+    def _insert_ignoring_duplicate(self, values: dict[str, Any]) -> Any:
+        return (
+            pg_insert(o)
+            .values(values)
+            .on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
+            .returning(o.c.id)
+        )
+
+    def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
+        due = (
+            self._due_ids(now_ms, limit)
+            .with_for_update(skip_locked=True, of=o)
+            .cte("due")
+            .prefix_with("MATERIALIZED")
+        )
+        return (
+            update(o).where(o.c.id == due.c.id).values(values).returning(*self._CLAIMED_COLUMNS)
+        )
+
+    def server_time_ms(self) -> int | None:
+        with self.read() as conn:
+            value = conn.execute(
+                select(func.floor(func.extract("epoch", func.clock_timestamp()) * 1000))
+            ).scalar_one()
+        return int(value)

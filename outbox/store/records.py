@@ -1,0 +1,91 @@
+"""Plain records passed between the store and the dispatcher or operator code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from outbox.model import Delivery, Reason, State, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """An operation a dispatcher now holds under a lease."""
+
+    pk: int
+    tenant: str
+    operation_id: str
+    endpoint: str
+    method: str
+    path: str
+    headers_json: str
+    body: str | None
+    attempts_counted: int
+    attempts_total: int
+    maybe_delivered: bool
+    saw_refusal: bool
+    first_attempt_at: int | None
+    window_started_at: int | None
+    lease_until: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """An attempt left open by a dispatcher whose lease expired."""
+
+    pk: int
+    request_id: str
+    number: int
+    dispatcher_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartedAttempt:
+    pk: int
+    request_id: str
+    number: int
+    first_attempt_at: int
+    window_started_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResult:
+    status: int
+    headers_json: str
+    body: str | None
+    sha256: str
+    size: int
+    truncated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutcome:
+    """What one attempt observed, plus the operation's next state: written atomically."""
+
+    pk: int
+    lease_token: str
+    request_id: str
+    delivery: Delivery
+    verdict: Verdict | None
+    counted: bool
+    status_code: int | None
+    receiver_request_id: str | None
+    error_class: str | None
+    error_message: str | None
+    duration_ms: int
+    # The operation's transition.
+    state: State
+    reason: Reason | None
+    next_attempt_at: int | None
+    maybe_delivered: bool
+    saw_refusal: bool
+    result: StoredResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """Move a claimed operation to a state without an attempt (window closed, say)."""
+
+    pk: int
+    lease_token: str
+    state: State
+    reason: Reason | None

@@ -1,0 +1,149 @@
+"""The schema: the single source for the code, the Alembic migrations and the tests.
+
+Times are epoch milliseconds (UTC) in BIGINT columns: one representation on every
+database, compared without time-zone surprises.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+# SQLite only aliases the rowid (and autoincrements) for a column typed exactly INTEGER.
+_PK = BigInteger().with_variant(Integer(), "sqlite")
+
+operations = Table(
+    "outbox_operations",
+    metadata,
+    Column("id", _PK, primary_key=True, autoincrement=True),
+    Column("tenant", String(255), nullable=False, server_default=""),
+    Column("operation_id", String(255), nullable=False),
+    Column("endpoint", String(64), nullable=False),
+    Column("method", String(16), nullable=False),
+    Column("path", Text, nullable=False),
+    Column("headers", Text, nullable=False),  # canonical JSON object, never credentials
+    Column("body", Text, nullable=True),  # canonical JSON text
+    Column("args_sha256", String(64), nullable=False),
+    Column("ordering_key", String(255), nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("reason", String(32), nullable=True),
+    # Attempts that count towards max_attempts, and all attempts (409s included).
+    Column("attempts_counted", Integer, nullable=False, server_default="0"),
+    Column("attempts_total", Integer, nullable=False, server_default="0"),
+    # What the attempt history says, kept up to date so no decision re-reads it.
+    Column("maybe_delivered", Boolean, nullable=False, server_default=text("false")),
+    Column("saw_refusal", Boolean, nullable=False, server_default=text("false")),
+    # When the operation is next due. For in_flight rows: when the lease ends.
+    Column("next_attempt_at", BigInteger, nullable=True),
+    Column("first_attempt_at", BigInteger, nullable=True),
+    Column("window_started_at", BigInteger, nullable=True),
+    # Lease: the token of the claim that owns the row. Every write after a claim is
+    # conditional on it (fencing).
+    Column("lease_token", String(36), nullable=True),
+    Column("lease_owner", String(255), nullable=True),
+    Column("lease_until", BigInteger, nullable=True),
+    # Bumped by every claim and every operator action: optimistic concurrency.
+    Column("version", Integer, nullable=False, server_default="0"),
+    Column("result_status", Integer, nullable=True),
+    Column("result_headers", Text, nullable=True),
+    Column("result_body", Text, nullable=True),
+    Column("result_sha256", String(64), nullable=True),
+    Column("result_size", Integer, nullable=True),
+    Column("result_truncated", Boolean, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    Column("finished_at", BigInteger, nullable=True),
+    UniqueConstraint("tenant", "operation_id"),
+)
+
+# Due work only: the index stays as small as the live backlog, however many finished
+# operations the table holds.
+Index(
+    "ix_outbox_operations_due",
+    operations.c.next_attempt_at,
+    sqlite_where=operations.c.state.in_(["pending", "in_flight"]),
+    postgresql_where=operations.c.state.in_(["pending", "in_flight"]),
+)
+Index(
+    "ix_outbox_operations_ordering",
+    operations.c.tenant,
+    operations.c.ordering_key,
+    operations.c.id,
+    sqlite_where=operations.c.ordering_key.is_not(None),
+    postgresql_where=operations.c.ordering_key.is_not(None),
+)
+Index("ix_outbox_operations_state_updated", operations.c.state, operations.c.updated_at)
+
+attempts = Table(
+    "outbox_attempts",
+    metadata,
+    Column("id", _PK, primary_key=True, autoincrement=True),
+    Column(
+        "operation_pk",
+        _PK,
+        ForeignKey("outbox_operations.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("number", Integer, nullable=False),
+    Column("request_id", String(36), nullable=False, unique=True),
+    Column("dispatcher_id", String(255), nullable=False),
+    Column("lease_token", String(36), nullable=False),
+    Column("started_at", BigInteger, nullable=False),
+    Column("lease_until", BigInteger, nullable=False),
+    Column("finished_at", BigInteger, nullable=True),
+    Column("delivery", String(16), nullable=True),  # NULL while the attempt is open
+    Column("verdict", String(16), nullable=True),
+    Column("counted", Boolean, nullable=False, server_default=text("true")),
+    Column("status_code", Integer, nullable=True),
+    Column("receiver_request_id", String(255), nullable=True),
+    Column("error_class", String(255), nullable=True),
+    Column("error_message", Text, nullable=True),
+    Column("duration_ms", Integer, nullable=True),
+    UniqueConstraint("operation_pk", "number"),
+)
+Index(
+    "ix_outbox_attempts_open",
+    attempts.c.operation_pk,
+    sqlite_where=attempts.c.delivery.is_(None),
+    postgresql_where=attempts.c.delivery.is_(None),
+)
+Index("ix_outbox_attempts_started_at", attempts.c.started_at)
+
+# The audit trail names operations by (tenant, operation_id), so it outlives a purge.
+audit = Table(
+    "outbox_audit",
+    metadata,
+    Column("id", _PK, primary_key=True, autoincrement=True),
+    Column("tenant", String(255), nullable=False),
+    Column("operation_id", String(255), nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("action", String(32), nullable=False),
+    Column("from_state", String(16), nullable=True),
+    Column("to_state", String(16), nullable=True),
+    Column("note", Text, nullable=False),
+    Column("details", Text, nullable=True),
+    Column("at", BigInteger, nullable=False),
+)
+Index("ix_outbox_audit_operation", audit.c.tenant, audit.c.operation_id)
