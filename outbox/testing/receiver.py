@@ -67,13 +67,13 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any, Literal, Self
+from typing import IO, Any, Literal, Self, TypeVar
 
 __all__ = [
     "Effect",
@@ -89,6 +89,7 @@ __all__ = [
 ]
 
 Synchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
+_T = TypeVar("_T")
 
 #: A pluggable effect: ``handler(conn, tenant, method, path, json_body) -> (status, body)``.
 #: It runs inside the transaction that records the effect row and completes the receipt;
@@ -260,6 +261,7 @@ _FAULT_KINDS = frozenset(
         "stuck_in_progress",
     }
 )
+_HANG = frozenset({"hang_after_commit"})
 _AFTER_COMMIT = frozenset(
     {"drop_after_commit", "fail_after_commit", "delay_after_commit", "hang_after_commit"}
 )
@@ -393,11 +395,16 @@ class Faults:
         seed: int | None = None,
         key: str | None = None,
         path: str | None = None,
+        replays: bool = False,
     ) -> None:
-        """Commit, then never answer: the socket stays open until the receiver stops."""
+        """Commit, then never answer: the socket stays open until the receiver stops.
+
+        With ``replays=True`` later requests for an already applied key hang as well.
+        """
         self._submit(
             {
                 "kind": "hang_after_commit",
+                "replays": replays,
                 "times": times,
                 "probability": probability,
                 "seed": seed,
@@ -431,6 +438,9 @@ class _Rule:
     stored: bool
     seconds: float
     rng: random.Random
+    #: hang_after_commit only: also hang replays of a key already applied, so the
+    #: receiver never answers that key again (a permanently hanging endpoint).
+    replays: bool = False
 
     def matches(self, path: str, key: str | None) -> bool:
         if self.key is not None and self.key != key:
@@ -449,6 +459,7 @@ class _Rule:
             "retry_after": self.retry_after,
             "stored": self.stored,
             "seconds": self.seconds,
+            "replays": self.replays,
         }
 
 
@@ -484,6 +495,9 @@ def _parse_rule(spec: Mapping[str, Any]) -> _Rule:
         raise ValueError("status must be an HTTP status code")
     retry_after = _opt(spec, "retry_after", (str, int))
     stored = _opt(spec, "stored", bool) or False
+    replays = _opt(spec, "replays", bool) or False
+    if replays and kind != "hang_after_commit":
+        raise ValueError("replays applies to hang_after_commit only")
     seconds = _opt(spec, "seconds", (int, float))
     if kind == "delay_after_commit" and (seconds is None or seconds < 0):
         raise ValueError("delay_after_commit needs seconds >= 0")
@@ -499,6 +513,7 @@ def _parse_rule(spec: Mapping[str, Any]) -> _Rule:
         stored=bool(stored),
         seconds=float(seconds or 0.0),
         rng=random.Random(seed),
+        replays=bool(replays),
     )
 
 
@@ -524,11 +539,18 @@ class _FaultPlan:
         with self._lock:
             return [rule.describe() for rule in self._rules]
 
-    def take(self, kinds: frozenset[str], path: str, key: str | None) -> _Rule | None:
-        """The first matching rule of ``kinds`` that fires now, with one use consumed."""
+    def take(
+        self, kinds: frozenset[str], path: str, key: str | None, *, replay: bool = False
+    ) -> _Rule | None:
+        """The first matching rule of ``kinds`` that fires now, with one use consumed.
+
+        For a replay only rules marked ``replays`` apply.
+        """
         with self._lock:
             for rule in self._rules:
                 if rule.kind not in kinds or rule.times == 0 or not rule.matches(path, key):
+                    continue
+                if replay and not rule.replays:
                     continue
                 if rule.probability is not None and rule.rng.random() >= rule.probability:
                     continue
@@ -633,8 +655,100 @@ class _Incoming:
     arrived_at_ms: int
 
 
+class _Stopped(Exception):
+    """The writer is closed: the receiver is stopping."""
+
+
+class _Job:
+    __slots__ = ("done", "error", "fn", "result")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Lock()
+        self.done.acquire()
+
+
+class _Writer:
+    """The one writer: runs jobs on its own thread with group commit.
+
+    Each job runs in its own SAVEPOINT (an exception rolls back that job alone); the jobs
+    queued while the previous batch was committing share one ``COMMIT``, so one fsync
+    serves many requests. A job's caller is released only after its batch committed, so
+    nothing is answered before its writes are durable at the configured ``synchronous``.
+    """
+
+    _MAX_BATCH = 256
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._queue: list[_Job] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="outbox-receiver-writer")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        job = _Job(fn)
+        with self._cv:
+            if self._closed:
+                raise _Stopped
+            self._queue.append(job)
+            self._cv.notify()
+        job.done.acquire()
+        if job.error is not None:
+            raise job.error
+        result: _T = job.result
+        return result
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+        self._conn.close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch = self._queue[: self._MAX_BATCH]
+                del self._queue[: self._MAX_BATCH]
+            self._commit(batch)
+
+    def _commit(self, batch: list[_Job]) -> None:
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for job in batch:
+                conn.execute("SAVEPOINT job")
+                try:
+                    job.result = job.fn(conn)
+                except Exception as exc:  # the job's caller gets it; the batch goes on
+                    conn.execute("ROLLBACK TO job")
+                    job.error = exc
+                conn.execute("RELEASE job")
+            conn.execute("COMMIT")
+        except Exception as exc:  # the commit itself failed: nobody's writes happened
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            for job in batch:
+                job.error, job.result = exc, None
+        finally:
+            for job in batch:
+                job.done.release()
+
+
+_Headers = tuple[tuple[str, str], ...]
+
+
 class _Service:
-    """Receipts, effects, the request log and faults over one SQLite writer connection."""
+    """Receipts, effects, the request log and faults over one SQLite writer."""
 
     def __init__(
         self,
@@ -652,74 +766,36 @@ class _Service:
         self._handler = handler
         self.plan = plan
         self._on_clear = on_clear
-        # Effect-bearing commits use the configured level. Everything else (arrival rows,
-        # "processing" receipts, replays) commits at NORMAL when FULL/EXTRA is asked: in
-        # WAL those frames precede the next effect commit, whose sync makes them durable
-        # too, and a lost "processing" receipt is harmless (no effect was made).
-        self._sync_effect = synchronous
-        self._sync_light: str = "NORMAL" if synchronous in ("FULL", "EXTRA") else synchronous
-        self._sync_now = ""
-        self._lock = threading.Lock()
-        self._conn = _connect(db_path, writer=True)
-        _init_db(self._conn)
-        self._set_sync(self._sync_light)
-        # A receipt left "processing" by a previous run never committed its effect.
-        self._conn.execute("DELETE FROM receipts WHERE state = 'processing' AND stuck = 0")
-        self._conn.execute("UPDATE requests SET outcome = 'interrupted' WHERE outcome = 'received'")
+        conn = _connect(db_path, writer=True)
+        try:
+            _init_db(conn)
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+            # A receipt left "processing" by a previous run never committed its effect.
+            conn.execute("DELETE FROM receipts WHERE state = 'processing' AND stuck = 0")
+            conn.execute("UPDATE requests SET outcome = 'interrupted' WHERE outcome = 'received'")
+        except BaseException:
+            conn.close()
+            raise
+        self._writer = _Writer(conn)
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    def _set_sync(self, level: str) -> None:
-        if level != self._sync_now:
-            self._conn.execute(f"PRAGMA synchronous={level}")
-            self._sync_now = level
-
-    @contextlib.contextmanager
-    def _txn(self, level: str) -> Iterator[sqlite3.Connection]:
-        """One write transaction under the writer lock (the caller holds the lock)."""
-        self._set_sync(level)
-        conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+        self._writer.close()
 
     # ---------------------------------------------------------------- public entry
 
     def handle(self, method: str, target: str, headers: Message, body: bytes) -> _Reply:
         request_id = headers.get("X-Request-ID")
-        base: tuple[tuple[str, str], ...] = (
-            (("X-Request-ID", request_id),) if request_id is not None else ()
-        )
+        base: _Headers = (("X-Request-ID", request_id),) if request_id is not None else ()
         path = target.split("?", 1)[0]
         if path.startswith(ADMIN_PREFIX):
             return self._admin(method, path, body, base)
-        req = _Incoming(
-            method=method,
-            target=target,
-            path=path,
-            tenant=headers.get(self._tenant_header) or "",
-            key=headers.get("Idempotency-Key") or None,
-            request_id=request_id,
-            body=body,
-            body_sha256=hashlib.sha256(body).hexdigest(),
-            arrived_at_ms=_now_ms(),
-        )
+        req = self._incoming(method, target, headers, request_id, body)
         if method == "GET" and path.startswith(LOOKUP_PREFIX):
             return self._lookup(req, base)
         if method not in OPERATION_METHODS:
-            status, outcome, error = (
-                (404, "not_found", "not_found")
-                if method == "GET"
-                else (405, "method_not_allowed", "method_not_allowed")
-            )
+            status, outcome = (404, "not_found") if method == "GET" else (405, "method_not_allowed")
             self._log_only(req, outcome, status)
-            return _Reply(status, _json_bytes({"error": error}), base)
+            return _Reply(status, _json_bytes({"error": outcome}), base)
         if req.key is None:
             self._log_only(req, "missing_key", 400)
             return _Reply(400, _json_bytes({"error": "missing_idempotency_key"}), base)
@@ -728,20 +804,33 @@ class _Service:
     def bad_request(self, method: str, target: str, headers: Message, detail: str) -> _Reply:
         """Log and answer a request whose body could not be read."""
         request_id = headers.get("X-Request-ID")
-        base = (("X-Request-ID", request_id),) if request_id is not None else ()
+        base: _Headers = (("X-Request-ID", request_id),) if request_id is not None else ()
         if not target.startswith(ADMIN_PREFIX):
-            req = _Incoming(
-                method, target, target.split("?", 1)[0], headers.get(self._tenant_header) or "",
-                headers.get("Idempotency-Key") or None, request_id, b"",
-                hashlib.sha256(b"").hexdigest(), _now_ms(),
-            )  # fmt: skip
-            self._log_only(req, "bad_request", 400)
+            self._log_only(
+                self._incoming(method, target, headers, request_id, b""), "bad_request", 400
+            )
         return _Reply(400, _json_bytes({"error": "bad_request", "detail": detail}), base)
+
+    def _incoming(
+        self, method: str, target: str, headers: Message, request_id: str | None, body: bytes
+    ) -> _Incoming:
+        return _Incoming(
+            method=method,
+            target=target,
+            path=target.split("?", 1)[0],
+            tenant=headers.get(self._tenant_header) or "",
+            key=headers.get("Idempotency-Key") or None,
+            request_id=request_id,
+            body=body,
+            body_sha256=hashlib.sha256(body).hexdigest(),
+            arrived_at_ms=_now_ms(),
+        )
 
     # ---------------------------------------------------------------- request log
 
+    @staticmethod
     def _insert_log(
-        self, conn: sqlite3.Connection, req: _Incoming, outcome: str, status: int | None
+        conn: sqlite3.Connection, req: _Incoming, outcome: str, status: int | None
     ) -> int:
         cur = conn.execute(
             "INSERT INTO requests (arrived_at_ms, method, path, tenant, idempotency_key,"
@@ -762,8 +851,7 @@ class _Service:
         return cur.lastrowid
 
     def _log_only(self, req: _Incoming, outcome: str, status: int | None) -> None:
-        with self._lock, self._txn(self._sync_light) as conn:
-            self._insert_log(conn, req, outcome, status)
+        self._writer.run(lambda conn: self._insert_log(conn, req, outcome, status))
 
     @staticmethod
     def _set_outcome(conn: sqlite3.Connection, seq: int, outcome: str, status: int | None) -> None:
@@ -774,55 +862,69 @@ class _Service:
     def _expired(self, row: sqlite3.Row, now_ms: int) -> bool:
         return (
             self._ttl_ms is not None
-            and not row["stuck"]
+            and row["state"] == "complete"
             and now_ms - int(row["created_at_ms"]) >= self._ttl_ms
         )
 
     # ---------------------------------------------------------------- operations
 
-    def _operation(self, req: _Incoming, base: tuple[tuple[str, str], ...]) -> _Reply:
-        assert req.key is not None
+    def _operation(self, req: _Incoming, base: _Headers) -> _Reply:
         early = self.plan.take(frozenset({"fail_before_work"}), req.target, req.key)
         if early is not None:
             self._log_only(req, "fault:fail_before_work", early.status)
             return self._fail_reply(early, base)
         payload_hash, parsed, is_json = _canonical(req.method, req.target, req.body)
+        # Transaction 1: log the arrival; find the receipt or claim the key ("processing").
+        claim = self._writer.run(lambda conn: self._claim(conn, req, payload_hash, base))
+        if isinstance(claim, _Reply):
+            return claim
+        # Committed: until transaction 2 commits, a request with this key gets 409.
+        # Transaction 2: one effect row and the completed receipt, atomically.
+        seq = claim
+        return self._writer.run(
+            lambda conn: self._apply(conn, req, seq=seq, parsed=parsed, is_json=is_json, base=base)
+        )
 
-        # Transaction 1: log the arrival; find the receipt or claim the key as "processing".
-        with self._lock, self._txn(self._sync_light) as conn:
-            seq = self._insert_log(conn, req, "received", None)
-            row = conn.execute(
-                "SELECT * FROM receipts WHERE tenant = ? AND idempotency_key = ?",
-                (req.tenant, req.key),
-            ).fetchone()
-            if row is not None and self._expired(row, req.arrived_at_ms):
-                conn.execute(
-                    "DELETE FROM receipts WHERE tenant = ? AND idempotency_key = ?",
-                    (req.tenant, req.key),
-                )
-                row = None
-            if row is not None:
-                return self._existing(conn, seq, row, payload_hash, base)
-            stuck, random_fail = self.plan.draw_new_key()
-            if random_fail is not None:
-                self._set_outcome(conn, seq, "fault:fail_before_work", random_fail.status)
-                return self._fail_reply(random_fail, base)
-            if stuck:
-                _mark_stuck(conn, req.tenant, req.key)
-                self._set_outcome(conn, seq, "in_progress", 409)
-                return _Reply(409, _json_bytes({"error": "idempotency_key_in_use"}), base)
+    def _claim(
+        self, conn: sqlite3.Connection, req: _Incoming, payload_hash: str, base: _Headers
+    ) -> _Reply | int:
+        assert req.key is not None
+        seq = self._insert_log(conn, req, "received", None)
+        row = conn.execute(
+            "SELECT * FROM receipts WHERE tenant = ? AND idempotency_key = ?",
+            (req.tenant, req.key),
+        ).fetchone()
+        if row is not None and self._expired(row, req.arrived_at_ms):
             conn.execute(
-                "INSERT INTO receipts (tenant, idempotency_key, payload_hash, state,"
-                " created_at_ms) VALUES (?, ?, ?, 'processing', ?)",
-                (req.tenant, req.key, payload_hash, req.arrived_at_ms),
+                "DELETE FROM receipts WHERE tenant = ? AND idempotency_key = ?",
+                (req.tenant, req.key),
             )
-        # Between the transactions the key is visibly "processing": a concurrent request
-        # with it gets 409. Transaction 2: one effect row and the completed receipt.
-        with self._lock:
-            return self._apply(req, seq, parsed, is_json, base)
+            row = None
+        if row is not None:
+            reply = self._existing(conn, seq, row, payload_hash, base)
+            if row["state"] == "complete" and row["payload_hash"] == payload_hash:
+                hang = self.plan.take(_HANG, req.target, req.key, replay=True)
+                if hang is not None:
+                    self._set_outcome(conn, seq, "fault:hang_after_commit", None)
+                    return _Reply(0, action="hang")
+            return reply
+        stuck, random_fail = self.plan.draw_new_key()
+        if random_fail is not None:
+            self._set_outcome(conn, seq, "fault:fail_before_work", random_fail.status)
+            return self._fail_reply(random_fail, base)
+        if stuck:
+            _mark_stuck(conn, req.tenant, req.key)
+            self._set_outcome(conn, seq, "in_progress", 409)
+            return _Reply(409, _json_bytes({"error": "idempotency_key_in_use"}), base)
+        conn.execute(
+            "INSERT INTO receipts (tenant, idempotency_key, payload_hash, state,"
+            " created_at_ms) VALUES (?, ?, ?, 'processing', ?)",
+            (req.tenant, req.key, payload_hash, req.arrived_at_ms),
+        )
+        return seq
 
     @staticmethod
-    def _fail_reply(rule: _Rule, base: tuple[tuple[str, str], ...]) -> _Reply:
+    def _fail_reply(rule: _Rule, base: _Headers) -> _Reply:
         headers = base
         if rule.retry_after:
             headers = (*base, ("Retry-After", rule.retry_after))
@@ -835,7 +937,7 @@ class _Service:
         seq: int,
         row: sqlite3.Row,
         payload_hash: str,
-        base: tuple[tuple[str, str], ...],
+        base: _Headers,
     ) -> _Reply:
         if row["state"] == "processing":
             self._set_outcome(conn, seq, "in_progress", 409)
@@ -855,82 +957,69 @@ class _Service:
 
     def _apply(
         self,
+        conn: sqlite3.Connection,
         req: _Incoming,
+        *,
         seq: int,
         parsed: Any,
         is_json: bool,
-        base: tuple[tuple[str, str], ...],
+        base: _Headers,
     ) -> _Reply:
-        """Transaction 2 (the caller holds the writer lock)."""
-        assert req.key is not None
         key = req.key
-        self._set_sync(self._sync_effect)
-        conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
+        assert key is not None
+        conn.execute("SAVEPOINT work")
         try:
-            conn.execute("SAVEPOINT work")
-            try:
-                effect_id = self._insert_effect(conn, req, parsed, is_json)
-                if self._handler is None:
-                    status = 201
-                    body_value: Any = {
-                        "effect_id": effect_id,
-                        "tenant": req.tenant,
-                        "key": key,
-                        "received": parsed,
-                    }
-                else:
-                    status, body_value = self._handler(
-                        conn, req.tenant, req.method, req.target, parsed
-                    )
-                stored_body = _json_bytes(body_value)
-                conn.execute("RELEASE work")
-            except Exception as exc:  # any handler failure rolls back
-                conn.execute("ROLLBACK TO work")
-                conn.execute("RELEASE work")
-                conn.execute(
-                    "DELETE FROM receipts WHERE tenant = ? AND idempotency_key = ?",
-                    (req.tenant, key),
-                )
-                if isinstance(exc, Refuse):
-                    status, outcome, reply_body = exc.status, "refused", _json_bytes(exc.body)
-                else:
-                    status, outcome = 500, "handler_error"
-                    reply_body = _json_bytes({"error": "handler_error", "detail": repr(exc)})
-                self._set_outcome(conn, seq, outcome, status)
-                conn.execute("COMMIT")
-                return _Reply(status, reply_body, base)
-
-            fault = self.plan.take(_AFTER_COMMIT, req.target, key) or self.plan.draw_after_commit()
-            reply = _Reply(status, stored_body, base)
-            outcome = "applied"
-            if fault is not None:
-                outcome = "fault:" + fault.kind
-                if fault.kind == "drop_after_commit":
-                    reply = _Reply(0, action="drop")
-                elif fault.kind == "hang_after_commit":
-                    reply = _Reply(0, action="hang")
-                elif fault.kind == "delay_after_commit":
-                    reply.action, reply.delay_seconds = "delay", fault.seconds
-                else:  # fail_after_commit
-                    body = {"error": "injected_fault", "fault": "fail_after_commit"}
-                    reply = _Reply(fault.status, _json_bytes(body), base)
-                    if fault.stored:
-                        outcome = "fault:fail_after_commit_stored"
-                        status, stored_body = fault.status, reply.body
+            effect_id = self._insert_effect(conn, req, parsed, is_json)
+            if self._handler is None:
+                status = 201
+                body_value: Any = {
+                    "effect_id": effect_id,
+                    "tenant": req.tenant,
+                    "key": key,
+                    "received": parsed,
+                }
+            else:
+                status, body_value = self._handler(conn, req.tenant, req.method, req.target, parsed)
+            stored_body = _json_bytes(body_value)
+        except Exception as exc:  # any handler failure rolls the effect back
+            conn.execute("ROLLBACK TO work")
+            conn.execute("RELEASE work")
             conn.execute(
-                "UPDATE receipts SET state = 'complete', response_status = ?, response_body = ?"
-                " WHERE tenant = ? AND idempotency_key = ?",
-                (status, stored_body.decode(), req.tenant, key),
+                "DELETE FROM receipts WHERE tenant = ? AND idempotency_key = ?",
+                (req.tenant, key),
             )
-            self._set_outcome(conn, seq, outcome, reply.status or None)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        finally:
-            self._set_sync(self._sync_light)
+            if isinstance(exc, Refuse):
+                status, outcome, reply_body = exc.status, "refused", _json_bytes(exc.body)
+            else:
+                status, outcome = 500, "handler_error"
+                reply_body = _json_bytes({"error": "handler_error", "detail": repr(exc)})
+            self._set_outcome(conn, seq, outcome, status)
+            return _Reply(status, reply_body, base)
+        conn.execute("RELEASE work")
+
+        fault = self.plan.take(_AFTER_COMMIT, req.target, key) or self.plan.draw_after_commit()
+        reply = _Reply(status, stored_body, base)
+        outcome = "applied"
+        if fault is not None:
+            outcome = "fault:" + fault.kind
+            if fault.kind == "drop_after_commit":
+                reply = _Reply(0, action="drop")
+            elif fault.kind == "hang_after_commit":
+                reply = _Reply(0, action="hang")
+            elif fault.kind == "delay_after_commit":
+                reply.action, reply.delay_seconds = "delay", fault.seconds
+            else:  # fail_after_commit
+                body = {"error": "injected_fault", "fault": "fail_after_commit"}
+                reply = _Reply(fault.status, _json_bytes(body), base)
+                if fault.stored:
+                    outcome = "fault:fail_after_commit_stored"
+                    status, stored_body = fault.status, reply.body
+        conn.execute(
+            "UPDATE receipts SET state = 'complete', response_status = ?, response_body = ?"
+            " WHERE tenant = ? AND idempotency_key = ?",
+            (status, stored_body.decode(), req.tenant, key),
+        )
+        self._set_outcome(conn, seq, outcome, reply.status or None)
         return reply
 
     @staticmethod
@@ -959,9 +1048,10 @@ class _Service:
 
     # ---------------------------------------------------------------- lookup + admin
 
-    def _lookup(self, req: _Incoming, base: tuple[tuple[str, str], ...]) -> _Reply:
+    def _lookup(self, req: _Incoming, base: _Headers) -> _Reply:
         key = urllib.parse.unquote(req.path[len(LOOKUP_PREFIX) :])
-        with self._lock, self._txn(self._sync_light) as conn:
+
+        def job(conn: sqlite3.Connection) -> _Reply:
             row = conn.execute(
                 "SELECT * FROM receipts WHERE tenant = ? AND idempotency_key = ?",
                 (req.tenant, key),
@@ -972,22 +1062,21 @@ class _Service:
             elif row["state"] == "processing":
                 status, body = 409, {"state": "processing"}
             else:
-                stored = json.loads(row["response_body"])
                 status = 200
-                body = {
-                    "state": "applied",
-                    "response": {"status": row["response_status"], "body": stored},
+                response = {
+                    "status": row["response_status"],
+                    "body": json.loads(row["response_body"]),
                 }
+                body = {"state": "applied", "response": response}
             self._insert_log(conn, req, "lookup", status)
-        return _Reply(status, _json_bytes(body), base)
+            return _Reply(status, _json_bytes(body), base)
+
+        return self._writer.run(job)
 
     def mark_stuck(self, tenant: str, key: str) -> None:
-        with self._lock, self._txn(self._sync_effect) as conn:
-            _mark_stuck(conn, tenant, key)
+        self._writer.run(lambda conn: _mark_stuck(conn, tenant, key))
 
-    def _admin(
-        self, method: str, path: str, body: bytes, base: tuple[tuple[str, str], ...]
-    ) -> _Reply:
+    def _admin(self, method: str, path: str, body: bytes, base: _Headers) -> _Reply:
         route = path[len(ADMIN_PREFIX) :].rstrip("/")
         if method == "GET" and route == "health":
             return _Reply(200, _json_bytes({"ok": True, "pid": os.getpid()}), base)
@@ -1007,7 +1096,7 @@ class _Service:
                 if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
                     raise ValueError("expected a fault spec object or {'faults': [...]}")
                 for spec in specs:
-                    apply_fault_spec(spec, self.plan, self.mark_stuck)
+                    _apply_fault_spec(spec, self.plan, self.mark_stuck)
             except (ValueError, KeyError, TypeError) as exc:
                 detail = {"error": "invalid_fault", "detail": str(exc)}
                 return _Reply(400, _json_bytes(detail), base)
@@ -1015,7 +1104,7 @@ class _Service:
         return _Reply(404, _json_bytes({"error": "unknown_admin_route"}), base)
 
 
-def apply_fault_spec(
+def _apply_fault_spec(
     spec: Mapping[str, Any], plan: _FaultPlan, mark_stuck: Callable[[str, str], None]
 ) -> None:
     """Apply one JSON fault spec to ``plan`` (stuck keys go through ``mark_stuck``)."""
@@ -1110,18 +1199,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         service = self.server.service
         try:
-            body = self._read_body()
-        except _BadBody as exc:
-            self.close_connection = True
-            self._send(service.bad_request(self.command, self.path, self.headers, str(exc)))
+            try:
+                body = self._read_body()
+            except _BadBody as exc:
+                self.close_connection = True
+                reply = service.bad_request(self.command, self.path, self.headers, str(exc))
+            else:
+                reply = service.handle(self.command, self.path, self.headers, body)
+        except _Stopped:
+            self._abort()
             return
-        try:
-            reply = service.handle(self.command, self.path, self.headers, body)
-        except sqlite3.ProgrammingError:
-            if self.server.stopping.is_set():  # the database closed under us: stopping
-                self._abort()
-                return
-            raise
         except Exception as exc:  # answer rather than drop the socket
             detail = {"error": "internal_error", "detail": repr(exc)}
             reply = _Reply(500, _json_bytes(detail))
@@ -1148,11 +1235,12 @@ class _Handler(BaseHTTPRequestHandler):
             "Content-Type: application/json",
             f"Content-Length: {len(reply.body)}",
         ]
-        lines += [f"{name}: {value}" for name, value in reply.headers]
+        # Echoed values (X-Request-ID) must not smuggle in header lines.
+        lines += [f"{name}: {' '.join(value.splitlines())}" for name, value in reply.headers]
         if self.close_connection:
             lines.append("Connection: close")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", errors="replace")
-        self.wfile.write(head + reply.body)
+        self.wfile.write(head if self.command == "HEAD" else head + reply.body)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _dispatch
 
@@ -1211,7 +1299,12 @@ class _Oracle:
         return self._db_path
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        with contextlib.closing(_connect(self._db_path)) as conn:
+        # mode=rw: a missing file is an error, not a new empty database.
+        uri = self._db_path.resolve().as_uri() + "?mode=rw"
+        with contextlib.closing(
+            sqlite3.connect(uri, uri=True, timeout=_BUSY_TIMEOUT_SECONDS)
+        ) as conn:
+            conn.row_factory = sqlite3.Row
             return conn.execute(sql, params).fetchall()
 
     @staticmethod
@@ -1442,7 +1535,7 @@ class Receiver(_Oracle):
             _mark_stuck(conn, tenant, key)
 
     def _submit_fault(self, spec: dict[str, Any]) -> None:
-        apply_fault_spec(spec, self._plan, self._mark_stuck)
+        _apply_fault_spec(spec, self._plan, self._mark_stuck)
 
     def _clear_faults(self) -> None:
         self._plan.clear()
