@@ -40,6 +40,7 @@ __all__ = [
     "FakeClock",
     "Intent",
     "NotStoredError",
+    "Operation",
     "OperationConflict",
     "OperationNotFound",
     "OperatorActionRefused",

@@ -58,7 +58,7 @@ class CanonicalArgs:
 
 
 def check_operation_id(operation_id: object) -> str:
-    if not isinstance(operation_id, str) or not OPERATION_ID_PATTERN.match(operation_id):
+    if not isinstance(operation_id, str) or not OPERATION_ID_PATTERN.fullmatch(operation_id):
         raise ValidationError(
             f"operation_id must be 1-255 characters of [A-Za-z0-9._:-], got {operation_id!r}"
         )
@@ -66,7 +66,7 @@ def check_operation_id(operation_id: object) -> str:
 
 
 def check_tenant(tenant: object) -> str:
-    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise ValidationError(f"tenant must be 0-255 characters of [A-Za-z0-9._:-], got {tenant!r}")
     return tenant
 
@@ -74,7 +74,7 @@ def check_tenant(tenant: object) -> str:
 def check_ordering_key(ordering_key: object) -> str | None:
     if ordering_key is None:
         return None
-    if not isinstance(ordering_key, str) or not _ORDERING_KEY_PATTERN.match(ordering_key):
+    if not isinstance(ordering_key, str) or not _ORDERING_KEY_PATTERN.fullmatch(ordering_key):
         raise ValidationError(
             f"ordering_key must be 1-255 characters of [A-Za-z0-9._:/-], got {ordering_key!r}"
         )
@@ -109,7 +109,7 @@ def _check_headers(
     secrets = CREDENTIAL_HEADERS | {h.lower() for h in secret_headers}
     out: dict[str, str] = {}
     for name, value in headers.items():
-        if not isinstance(name, str) or not _HEADER_NAME.match(name):
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
             raise ValidationError(f"invalid header name {name!r}")
         lower = name.lower()
         if lower in secrets:
@@ -141,8 +141,9 @@ def _depth(value: Any, limit: int) -> None:
 def canonical_json(value: Any) -> str:
     """Sorted keys, compact separators, no NaN or Infinity."""
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
     except ValueError as exc:
         raise ValidationError(f"json body is not valid JSON (NaN or Infinity?): {exc}") from exc
     except TypeError as exc:

@@ -25,7 +25,7 @@ from outbox.canonical import (
 )
 from outbox.clock import Clock, OffsetClock, SystemClock
 from outbox.config import DispatcherSettings, Endpoint
-from outbox.dispatch import DispatchSummary, Dispatcher, TransportFactory
+from outbox.dispatch import Dispatcher, DispatchSummary, TransportFactory
 from outbox.errors import (
     ConfigurationError,
     OperationConflict,
@@ -213,7 +213,11 @@ class Outbox:
         op_id, tenant, ordering_key, args = self._validate(intent)
         now = self.clock.now_ms()
         inserted = self.store.insert_operation(
-            conn, tenant=tenant, operation_id=op_id, args=args, ordering_key=ordering_key,
+            conn,
+            tenant=tenant,
+            operation_id=op_id,
+            args=args,
+            ordering_key=ordering_key,
             now_ms=now,
         )
         if inserted.created:
@@ -324,7 +328,7 @@ class Outbox:
         async def main() -> DispatchSummary:
             loop = asyncio.get_running_loop()
             stopping = asyncio.Event()
-            installed: list[int] = []
+            installed: list[signal.Signals] = []
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, stopping.set)

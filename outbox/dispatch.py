@@ -141,13 +141,19 @@ class Dispatcher:
 
     # -- the loop -----------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event | None = None, *, once: bool = False) -> DispatchSummary:
+    async def run(
+        self, stop: asyncio.Event | None = None, *, once: bool = False
+    ) -> DispatchSummary:
         """Dispatch until ``stop`` is set (or one batch, with ``once``)."""
         stop = stop or asyncio.Event()
         await self._run_db(self.store.preflight)
         writer = asyncio.create_task(self._write_outcomes())
-        self._log.info("dispatcher_started", concurrency=self.settings.concurrency,
-                       lease_seconds=self.lease_seconds, once=once)
+        self._log.info(
+            "dispatcher_started",
+            concurrency=self.settings.concurrency,
+            lease_seconds=self.lease_seconds,
+            once=once,
+        )
         try:
             while not stop.is_set():
                 free = self.settings.concurrency - self._inflight
@@ -199,8 +205,13 @@ class Dispatcher:
         self._log.debug("operations_claimed", count=len(claimed), lease_token=token)
         for rec in recovered:
             self.summary.recovered += 1
-            self._log.warning("lease_expired", operation_pk=rec.pk, request_id=rec.request_id,
-                              attempt=rec.number, previous_dispatcher=rec.dispatcher_id)
+            self._log.warning(
+                "lease_expired",
+                operation_pk=rec.pk,
+                request_id=rec.request_id,
+                attempt=rec.number,
+                previous_dispatcher=rec.dispatcher_id,
+            )
         await failpoints.hit("after_claim")
 
         to_send: dict[int, str] = {}
@@ -211,8 +222,12 @@ class Dispatcher:
             endpoint = self.endpoints.get(c.endpoint)
             if endpoint is None:
                 unknown_endpoint.append(c.pk)
-                self._log.error("endpoint_not_registered", operation_id=c.operation_id,
-                                tenant=c.tenant, endpoint=c.endpoint)
+                self._log.error(
+                    "endpoint_not_registered",
+                    operation_id=c.operation_id,
+                    tenant=c.tenant,
+                    endpoint=c.endpoint,
+                )
                 continue
             deadline = endpoint.deadline_ms(
                 window_started_at_ms=c.window_started_at or now,
@@ -221,24 +236,37 @@ class Dispatcher:
             if c.attempts_total and (
                 now > deadline or c.attempts_counted >= endpoint.retry.max_attempts
             ):
-                reason = reason_from_history(maybe_delivered=c.maybe_delivered,
-                                             saw_refusal=c.saw_refusal)
+                reason = reason_from_history(
+                    maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal
+                )
                 settlements.append(Settlement(c.pk, token, State.UNRESOLVED, reason))
                 continue
             to_send[c.pk] = str(uuid.uuid4())
             by_pk[c.pk] = (c, endpoint)
-            self._names[c.pk] = {"operation_id": c.operation_id, "tenant": c.tenant,
-                                 "endpoint": c.endpoint}
+            self._names[c.pk] = {
+                "operation_id": c.operation_id,
+                "tenant": c.tenant,
+                "endpoint": c.endpoint,
+            }
         if unknown_endpoint:
-            await self._run_db(self.store.release, token=token, now_ms=now, pks=unknown_endpoint,
-                               delay_ms=_UNKNOWN_ENDPOINT_DELAY_MS)
+            await self._run_db(
+                self.store.release,
+                token=token,
+                now_ms=now,
+                pks=unknown_endpoint,
+                delay_ms=_UNKNOWN_ENDPOINT_DELAY_MS,
+            )
         if settlements:
             written = await self._run_db(self.store.settle, now_ms=now, settlements=settlements)
             for s in settlements:
                 if s.pk in written:
                     self._count_unresolved(s.reason)
-                    self._log.warning("operation_unresolved", operation_pk=s.pk,
-                                      reason=s.reason, why="window closed or attempts spent")
+                    self._log.warning(
+                        "operation_unresolved",
+                        operation_pk=s.pk,
+                        reason=s.reason,
+                        why="window closed or attempts spent",
+                    )
         started = await self._run_db(
             self.store.begin_attempts,
             token=token,
@@ -256,9 +284,13 @@ class Dispatcher:
 
     async def _attempt(self, work: _Work) -> None:
         c, endpoint, started = work.claimed, work.endpoint, work.started
-        log = self._log.bind(operation_id=c.operation_id, tenant=c.tenant,
-                             endpoint=endpoint.name, request_id=started.request_id,
-                             attempt=started.number)
+        log = self._log.bind(
+            operation_id=c.operation_id,
+            tenant=c.tenant,
+            endpoint=endpoint.name,
+            request_id=started.request_id,
+            attempt=started.number,
+        )
         try:
             await failpoints.hit("after_attempt_commit")
             # Re-check the lease on the monotonic clock: a process that was paused (GC,
@@ -288,10 +320,14 @@ class Dispatcher:
                 body=c.body.encode("utf-8") if c.body is not None else None,
                 now_ms=self.clock.now_ms,
             )
-            log.info("attempt_finished", status=result.status_code,
-                     delivery=result.classification.delivery,
-                     verdict=result.classification.verdict, error=result.error_class,
-                     duration_ms=result.duration_ms)
+            log.info(
+                "attempt_finished",
+                status=result.status_code,
+                delivery=result.classification.delivery,
+                verdict=result.classification.verdict,
+                error=result.error_class,
+                duration_ms=result.duration_ms,
+            )
             await failpoints.hit("after_response")
             await self._outcomes.put(self._outcome(work, result))
         except Exception as exc:

@@ -89,19 +89,23 @@ def classify_response(response: httpx.Response, body: bytes, now_ms: int) -> Cla
     retry_after = parse_retry_after(response.headers.get("retry-after"), now_ms)
     if status == IN_PROGRESS_STATUS:
         # The receiver holds the key: an earlier attempt reached it.
-        return Classification(Verdict.IN_PROGRESS, Delivery.SENT, maybe_applied=True,
-                              retry_after_seconds=retry_after)
+        return Classification(
+            Verdict.IN_PROGRESS, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
+        )
     if status in REFUSAL_STATUSES:
-        return Classification(Verdict.RETRY, Delivery.SENT, refused=True,
-                              retry_after_seconds=retry_after)
+        return Classification(
+            Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after
+        )
     if status in MAYBE_APPLIED_STATUSES:
-        return Classification(Verdict.RETRY, Delivery.SENT, maybe_applied=True,
-                              retry_after_seconds=retry_after)
+        return Classification(
+            Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
+        )
     if status == 422 and is_key_mismatch(response, body):
         return Classification(Verdict.KEY_CONFLICT, Delivery.SENT)
     if status >= 500:
-        return Classification(Verdict.RETRY, Delivery.SENT, maybe_applied=True,
-                              retry_after_seconds=retry_after)
+        return Classification(
+            Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
+        )
     # Other 4xx, and 1xx/3xx (redirects are never followed): definitive.
     return Classification(Verdict.FAILED, Delivery.SENT)
 
@@ -126,10 +130,16 @@ def _connect_failed(exc: BaseException) -> bool:
             # aiohttp's connection errors cover both "could not connect" and "server
             # disconnected after the request was sent"; httpx-aiohttp maps both to one
             # httpx class. Only the connector's own error proves nothing was sent.
-            return name in ("ClientConnectorError", "ClientConnectorDNSError",
-                            "ClientConnectorCertificateError", "ClientConnectorSSLError")
-    return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
-                      | httpx.UnsupportedProtocol)
+            return name in (
+                "ClientConnectorError",
+                "ClientConnectorDNSError",
+                "ClientConnectorCertificateError",
+                "ClientConnectorSSLError",
+            )
+    return isinstance(
+        exc,
+        httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | httpx.UnsupportedProtocol,
+    )
 
 
 def classify_exception(exc: BaseException) -> Classification:
@@ -197,7 +207,9 @@ async def _read_body(response: httpx.Response) -> bytes:
     return b"".join(chunks)
 
 
-def build_client(endpoint: Endpoint, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+def build_client(
+    endpoint: Endpoint, transport: httpx.AsyncBaseTransport | None
+) -> httpx.AsyncClient:
     """One pooled client per endpoint. The transport never retries on its own."""
     limits = httpx.Limits(
         max_connections=endpoint.max_connections,
@@ -271,7 +283,8 @@ async def send_attempt(
             classification=classification,
             status_code=response.status_code if response is not None else None,
             receiver_request_id=None,
-            error_class=type(exc).__name__ if not isinstance(exc, TimeoutError)
+            error_class=type(exc).__name__
+            if not isinstance(exc, TimeoutError)
             else "AttemptDeadlineExceeded",
             error_message=clean_message(str(exc) or repr(exc))
             if not isinstance(exc, TimeoutError)
@@ -287,7 +300,8 @@ async def send_attempt(
         status_code=response.status_code,
         receiver_request_id=_receiver_request_id(response),
         error_class=None,
-        error_message=None if classification.verdict is Verdict.SUCCESS
+        error_message=None
+        if classification.verdict is Verdict.SUCCESS
         else clean_message(raw[:300].decode("utf-8", errors="replace")),
         duration_ms=int((time.monotonic() - started) * 1000),
         result=_stored_result(endpoint, response, raw) if keep else None,

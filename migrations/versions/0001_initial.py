@@ -131,9 +131,7 @@ def upgrade() -> None:
         sa.Column("at", sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_outbox_audit"),
     )
-    op.create_index(
-        "ix_outbox_audit_operation", "outbox_audit", ["tenant", "operation_id"]
-    )
+    op.create_index("ix_outbox_audit_operation", "outbox_audit", ["tenant", "operation_id"])
 
 
 def downgrade() -> None:

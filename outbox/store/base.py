@@ -12,7 +12,6 @@ from sqlalchemy import (
     Connection,
     Engine,
     Row,
-
     delete,
     exists,
     func,
@@ -27,7 +26,16 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.canonical import CanonicalArgs
 from outbox.errors import NotStoredError, StoreError
-from outbox.model import Attempt, Delivery, Operation, Reason, Result, State, Verdict
+from outbox.model import (
+    BLOCKING_STATES,
+    Attempt,
+    Delivery,
+    Operation,
+    Reason,
+    Result,
+    State,
+    Verdict,
+)
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -198,7 +206,7 @@ class Store:
                     o.c.tenant == op.tenant,
                     o.c.ordering_key == op.ordering_key,
                     o.c.id < op.pk,
-                    o.c.state.in_([s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]),
+                    o.c.state.in_([s.value for s in BLOCKING_STATES]),
                 )
                 .order_by(o.c.id)
                 .limit(1)
@@ -296,9 +304,7 @@ class Store:
             recovered = self._close_open_attempts(conn, [c.pk for c in claimed], now_ms)
         if recovered:
             flagged = {r.pk for r in recovered}
-            claimed = [
-                _replace_flag(c) if c.pk in flagged else c for c in claimed
-            ]
+            claimed = [_replace_flag(c) if c.pk in flagged else c for c in claimed]
         return claimed, recovered
 
     def _close_open_attempts(
@@ -325,8 +331,12 @@ class Store:
                 .values(maybe_delivered=True)
             )
         return [
-            Recovered(pk=r.operation_pk, request_id=r.request_id, number=r.number,
-                      dispatcher_id=r.dispatcher_id)
+            Recovered(
+                pk=r.operation_pk,
+                request_id=r.request_id,
+                number=r.number,
+                dispatcher_id=r.dispatcher_id,
+            )
             for r in rows
         ]
 
@@ -357,8 +367,7 @@ class Store:
                     window_started_at=func.coalesce(o.c.window_started_at, now_ms),
                     updated_at=now_ms,
                 )
-                .returning(o.c.id, o.c.attempts_total, o.c.first_attempt_at,
-                           o.c.window_started_at)
+                .returning(o.c.id, o.c.attempts_total, o.c.first_attempt_at, o.c.window_started_at)
             ).all()
             started = [
                 StartedAttempt(
@@ -685,12 +694,7 @@ def _attempt(r: Row[Any]) -> Attempt:
 def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
     result = None
     if r.result_status is not None:
-        body: Any = r.result_body
-        if body is not None:
-            try:
-                body = json.loads(body)
-            except ValueError:
-                pass
+        body: Any = json.loads(r.result_body) if r.result_body is not None else None
         result = Result(
             status_code=r.result_status,
             headers=json.loads(r.result_headers or "{}"),

@@ -29,7 +29,9 @@ def normalize_url(url: str | URL) -> URL:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ConfigurationError(f"unsupported database {parsed.drivername!r}: use sqlite or postgresql")
+        raise ConfigurationError(
+            f"unsupported database {parsed.drivername!r}: use sqlite or postgresql"
+        )
     return parsed
 
 

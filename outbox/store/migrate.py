@@ -27,7 +27,10 @@ def _config(engine: Engine, connection: object | None = None) -> object:
 
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
-    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # Alembic's Config is a ConfigParser: a literal '%' (percent-encoded passwords,
+    # ``options=-csearch_path%3D...``) must be doubled or interpolation rejects it.
+    url = engine.url.render_as_string(hide_password=False)
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     if connection is not None:
         config.attributes["connection"] = connection
     return config

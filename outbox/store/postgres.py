@@ -35,9 +35,7 @@ class PostgresStore(Store):
             .cte("due")
             .prefix_with("MATERIALIZED")
         )
-        return (
-            update(o).where(o.c.id == due.c.id).values(values).returning(*self._CLAIMED_COLUMNS)
-        )
+        return update(o).where(o.c.id == due.c.id).values(values).returning(*self._CLAIMED_COLUMNS)
 
     def server_time_ms(self) -> int | None:
         with self.read() as conn:

@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11+:
+#   make demo   the main job: a guided run against a local receiver on embedded SQLite
+#   make test   lint, type-check and the whole test suite (SQLite and PostgreSQL)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint bench soak clean
+
+$(BIN)/outbox: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(BIN)/outbox
+
+demo: install
+	$(BIN)/outbox demo
+
+lint: install
+	$(BIN)/ruff check outbox tests migrations examples benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	$(BIN)/python -m benchmarks run
+
+clean:
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache

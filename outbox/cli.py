@@ -1,0 +1,543 @@
+"""The ``outbox`` command: a thin shell over the library.
+
+Each command parses its options, makes one library call and renders the result as a
+table (default) or JSON (``--json``). Exit codes: 0 ok, 1 refused (wrong state,
+conflict, not found, a failed ``status --check``), 2 usage, 3 the database failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from outbox import logs
+from outbox.client import Outbox
+from outbox.errors import (
+    ConfigurationError,
+    OperationConflict,
+    OperationNotFound,
+    OperatorActionRefused,
+    OutboxError,
+    StoreError,
+    ValidationError,
+)
+from outbox.model import Reason, State
+from outbox.reconcile import (
+    OperationReport,
+    Reconciler,
+    attempt_dict,
+    operation_dict,
+    parse_duration,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+EXIT_REFUSED, EXIT_USAGE, EXIT_STORE = 1, 2, 3
+
+out = Console(highlight=False, soft_wrap=True)
+
+
+class Context:
+    def __init__(self, db: str | None, app: str | None) -> None:
+        self.db = db
+        self.app = app
+        self._outbox: Outbox | None = None
+
+    def outbox(self) -> Outbox:
+        if self._outbox is None:
+            self._outbox = load_outbox(self.db, self.app)
+        return self._outbox
+
+    def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+
+
+def load_outbox(db: str | None, app: str | None) -> Outbox:
+    """The application's Outbox (``--app module:attr``) or one on ``--db``."""
+    if app:
+        module_name, _, attr = app.partition(":")
+        if not attr:
+            raise click.UsageError("--app takes module:attribute, e.g. myapp.jobs:outbox")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(module_name)
+        target = getattr(module, attr)
+        ob = target() if callable(target) and not isinstance(target, Outbox) else target
+        if not isinstance(ob, Outbox):
+            raise click.UsageError(f"{app} is not an outbox.Outbox")
+        return ob
+    if not db:
+        raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL (or --app)")
+    return Outbox(db)
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(fn)
+
+
+def tenant_option(fn: F) -> F:
+    return click.option(
+        "--tenant",
+        default="",
+        show_default=True,
+        help="The tenant (namespace) of the operation ID.",
+    )(fn)
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _fail(code: int, message: str, exc: BaseException | None = None) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    cause = exc.__cause__ if exc is not None else None
+    while cause is not None:
+        click.echo(f"  caused by: {type(cause).__name__}: {cause}", err=True)
+        cause = cause.__cause__
+    sys.exit(code)
+
+
+def run_guarded(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except (OperatorActionRefused, OperationNotFound, OperationConflict) as exc:
+        _fail(EXIT_REFUSED, str(exc), exc)
+    except (ValidationError, ConfigurationError) as exc:
+        _fail(EXIT_USAGE, str(exc), exc)
+    except StoreError as exc:
+        _fail(EXIT_STORE, str(exc), exc)
+    except OutboxError as exc:
+        _fail(EXIT_REFUSED, str(exc), exc)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--db", envvar="OUTBOX_DATABASE_URL", help="Database URL (or OUTBOX_DATABASE_URL).")
+@click.option(
+    "--app",
+    envvar="OUTBOX_APP",
+    help="module:attr naming the application's Outbox (endpoints, credentials).",
+)
+@click.option("--log-level", default="info", show_default=True, help="debug, info, warning, error")
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "json", "console"]),
+    default="auto",
+    show_default=True,
+)
+@click.version_option(package_name="outbox")
+@click.pass_context
+def main(
+    ctx: click.Context, db: str | None, app: str | None, log_level: str, log_format: str
+) -> None:
+    """A durable, client-side operation outbox for HTTP integrations."""
+    logs.configure(log_level, log_format)
+    ctx.obj = Context(db, app)
+    ctx.call_on_close(ctx.obj.close)
+
+
+# -- schema ---------------------------------------------------------------------------
+
+
+@main.command()
+@click.pass_obj
+def migrate(obj: Context) -> None:
+    """Create or upgrade the outbox tables (Alembic migrations bundled with outbox)."""
+    from outbox.store.engine import create_engine
+    from outbox.store.migrate import HEAD, current_revision, upgrade
+
+    def go() -> None:
+        url = obj.db or (obj.outbox().engine.url if obj.app else None)
+        if url is None:
+            raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL")
+        engine = create_engine(url)
+        try:
+            before = current_revision(engine)
+            upgrade(engine)
+            click.echo(f"outbox schema at revision {HEAD} (was {before or 'empty'})")
+        finally:
+            engine.dispose()
+
+    run_guarded(go)
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+@main.command()
+@json_option
+@click.option("--check", is_flag=True, help="Exit 1 if a threshold below is exceeded.")
+@click.option(
+    "--max-unresolved",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --check: reconciliation backlog allowed.",
+)
+@click.option(
+    "--max-pending-age",
+    default="1h",
+    show_default=True,
+    help="With --check: age of the oldest pending operation allowed.",
+)
+@click.option(
+    "--max-near-expiry",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --check: live operations allowed within an hour of key expiry.",
+)
+@click.pass_obj
+def status(
+    obj: Context,
+    as_json: bool,
+    check: bool,
+    max_unresolved: int,
+    max_pending_age: str,
+    max_near_expiry: int,
+) -> None:
+    """Counts per state, oldest pending age, reconciliation backlog, keys near expiry."""
+
+    def go() -> None:
+        report = Reconciler(obj.outbox()).status(
+            max_unresolved=max_unresolved if check else None,
+            max_pending_age=parse_duration(max_pending_age) if check else None,
+            max_near_expiry=max_near_expiry if check else None,
+        )
+        if as_json:
+            _emit_json(report.as_dict())
+        else:
+            table = Table(title="outbox status")
+            table.add_column("state")
+            table.add_column("operations", justify="right")
+            for state, n in report.counts.items():
+                table.add_row(state, str(n))
+            out.print(table)
+            age = report.oldest_pending_age_seconds
+            out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
+            reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()))
+            out.print(
+                f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
+                + (f" ({reasons})" if reasons else "")
+            )
+            out.print(f"attempts in the last hour: {report.attempts_last_hour}")
+            out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
+            for problem in report.problems:
+                out.print(f"PROBLEM: {problem}")
+        if check and report.problems:
+            sys.exit(EXIT_REFUSED)
+
+    run_guarded(go)
+
+
+def _render_report(report: OperationReport) -> None:
+    op = report.operation
+    out.print(f"[bold]{op.operation_id}[/bold]  tenant={op.tenant!r}  endpoint={op.endpoint}")
+    out.print(f"state: {op.state.value}" + (f" ({op.reason.value})" if op.reason else ""))
+    out.print(f"why: {report.explanation}")
+    if report.blocked_by:
+        out.print(f"waiting for: {report.blocked_by} (same ordering key, not yet settled)")
+    out.print(f"request: {op.method} {op.path}")
+    if op.headers:
+        out.print(f"headers: {json.dumps(op.headers, sort_keys=True)}")
+    out.print(f"body: {json.dumps(op.body, sort_keys=True)}", markup=False)
+    if op.result is not None:
+        out.print(
+            f"result: {op.result.status_code} {json.dumps(op.result.body, sort_keys=True)}",
+            markup=False,
+        )
+    table = Table(title="attempts")
+    for column in (
+        "#",
+        "request id",
+        "started",
+        "delivery",
+        "status",
+        "error",
+        "ms",
+        "receiver request id",
+    ):
+        table.add_column(column)
+    for a in op.attempts:
+        d = attempt_dict(a)
+        table.add_row(
+            str(a.number),
+            a.request_id,
+            d["started_at"] or "",
+            d["delivery"] or "open",
+            str(a.status_code or ""),
+            a.error_class or "",
+            str(a.duration_ms or ""),
+            a.receiver_request_id or "",
+        )
+    out.print(table)
+    for a in op.attempts:
+        out.print(f"  - {attempt_dict(a)['description']}", markup=False)
+    if op.state is State.UNRESOLVED:
+        out.print(f"requeue risk: {report.requeue_risk.note}")
+    if report.audit:
+        out.print("audit:")
+        for r in report.audit:
+            out.print(
+                f"  {r.actor} {r.action} {r.from_state} -> {r.to_state}: {r.note}", markup=False
+            )
+
+
+def _show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
+    def go() -> None:
+        report = Reconciler(obj.outbox()).show(operation_id, tenant=tenant)
+        if as_json:
+            _emit_json(report.as_dict())
+        else:
+            _render_report(report)
+
+    run_guarded(go)
+
+
+@main.command()
+@click.argument("operation_id")
+@tenant_option
+@json_option
+@click.pass_obj
+def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
+    """An operation's arguments, state and every attempt."""
+    _show(obj, operation_id, tenant, as_json)
+
+
+# -- dispatching --------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--once", is_flag=True, help="Claim and send one batch, then exit.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 10_000),
+    default=None,
+    help="Requests on the wire at once (default 32).",
+)
+@json_option
+@click.pass_obj
+def dispatch(obj: Context, once: bool, concurrency: int | None, as_json: bool) -> None:
+    """Run the dispatcher. SIGTERM or Ctrl-C: stop claiming, finish in-flight work, exit 0."""
+
+    def go() -> None:
+        ob = obj.outbox()
+        if not ob.endpoints:
+            raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
+        summary = ob.dispatch_once() if once else ob.run_dispatcher(concurrency=concurrency)
+        if as_json:
+            _emit_json(summary.as_dict())
+        else:
+            out.print(" ".join(f"{k}={v}" for k, v in summary.as_dict().items()))
+
+    run_guarded(go)
+
+
+# -- operator actions -----------------------------------------------------------------------
+
+
+@main.group()
+def reconcile() -> None:
+    """The reconciliation queue: operations whose outcome is not proven."""
+
+
+@reconcile.command("list")
+@click.option("--tenant", default=None)
+@click.option("--endpoint", default=None)
+@click.option("--reason", type=click.Choice([r.value for r in Reason]), default=None)
+@click.option("--older-than", default=None, help="Only unresolved for longer than this (e.g. 2h).")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@json_option
+@click.pass_obj
+def reconcile_list(
+    obj: Context,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: str | None,
+    limit: int,
+    offset: int,
+    as_json: bool,
+) -> None:
+    """Unresolved operations, oldest first."""
+
+    def go() -> None:
+        ops = Reconciler(obj.outbox()).list(
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=reason,
+            older_than=parse_duration(older_than) if older_than else None,
+            limit=limit,
+            offset=offset,
+        )
+        if as_json:
+            _emit_json([operation_dict(op) for op in ops])
+            return
+        table = Table(title=f"unresolved operations ({len(ops)} shown)")
+        for column in ("operation id", "tenant", "endpoint", "reason", "attempts", "since"):
+            table.add_column(column)
+        for op in ops:
+            table.add_row(
+                op.operation_id,
+                op.tenant,
+                op.endpoint,
+                op.reason.value if op.reason else "",
+                str(op.attempts_total),
+                operation_dict(op)["updated_at"],
+            )
+        out.print(table)
+        if ops:
+            out.print("next: outbox reconcile show OP, then resolve or requeue it")
+
+    run_guarded(go)
+
+
+@reconcile.command("show")
+@click.argument("operation_id")
+@tenant_option
+@json_option
+@click.pass_obj
+def reconcile_show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
+    """The evidence: every attempt, its request ID and what was observed."""
+    _show(obj, operation_id, tenant, as_json)
+
+
+@reconcile.command("resolve")
+@click.argument("operation_id")
+@tenant_option
+@click.option("--as", "outcome", type=click.Choice(["succeeded", "failed"]), required=True)
+@click.option("--note", required=True, help="What you checked, for the audit trail.")
+@click.option("--operator", default=None, help="Your name (default: the OS user).")
+@json_option
+@click.pass_obj
+def reconcile_resolve(
+    obj: Context,
+    operation_id: str,
+    tenant: str,
+    outcome: str,
+    note: str,
+    operator: str | None,
+    as_json: bool,
+) -> None:
+    """Settle an unresolved operation as succeeded or failed."""
+
+    def go() -> None:
+        op = Reconciler(obj.outbox()).resolve(
+            operation_id, tenant=tenant, outcome=outcome, note=note, operator=operator
+        )
+        _done(op, as_json, f"resolved {operation_id} as {op.state.value}")
+
+    run_guarded(go)
+
+
+@reconcile.command("requeue")
+@click.argument("operation_id")
+@tenant_option
+@click.option("--note", required=True, help="What you checked, for the audit trail.")
+@click.option("--operator", default=None, help="Your name (default: the OS user).")
+@click.option(
+    "--accept-duplicate-risk",
+    is_flag=True,
+    help="Requeue even though the receiver may have forgotten the key.",
+)
+@json_option
+@click.pass_obj
+def reconcile_requeue(
+    obj: Context,
+    operation_id: str,
+    tenant: str,
+    note: str,
+    operator: str | None,
+    accept_duplicate_risk: bool,
+    as_json: bool,
+) -> None:
+    """Send again under the same operation ID, with a new retry window."""
+
+    def go() -> None:
+        op = Reconciler(obj.outbox()).requeue(
+            operation_id,
+            tenant=tenant,
+            note=note,
+            operator=operator,
+            accept_duplicate_risk=accept_duplicate_risk,
+        )
+        _done(op, as_json, f"requeued {operation_id}: pending, same operation ID")
+
+    run_guarded(go)
+
+
+@main.command()
+@click.argument("operation_id")
+@tenant_option
+@click.option("--note", required=True, help="Why, for the audit trail.")
+@click.option("--operator", default=None)
+@json_option
+@click.pass_obj
+def cancel(
+    obj: Context, operation_id: str, tenant: str, note: str, operator: str | None, as_json: bool
+) -> None:
+    """Cancel a pending operation that was never sent."""
+
+    def go() -> None:
+        op = Reconciler(obj.outbox()).cancel(
+            operation_id, tenant=tenant, note=note, operator=operator
+        )
+        _done(op, as_json, f"cancelled {operation_id}")
+
+    run_guarded(go)
+
+
+@main.command()
+@click.option("--older-than", required=True, help="e.g. 30d: finished longer ago than this.")
+@click.option("--operator", default=None)
+@json_option
+@click.pass_obj
+def purge(obj: Context, older_than: str, operator: str | None, as_json: bool) -> None:
+    """Delete old succeeded, failed and cancelled operations; never unresolved ones."""
+
+    def go() -> None:
+        cutoff: timedelta = parse_duration(older_than)
+        removed = Reconciler(obj.outbox()).purge(older_than=cutoff, operator=operator)
+        if as_json:
+            _emit_json({"removed": removed, "total": sum(removed.values())})
+        else:
+            detail = ", ".join(f"{k}={v}" for k, v in sorted(removed.items())) or "nothing"
+            out.print(f"purged {sum(removed.values())} operations ({detail})")
+
+    run_guarded(go)
+
+
+def _done(op: Any, as_json: bool, message: str) -> None:
+    if as_json:
+        _emit_json(operation_dict(op))
+    else:
+        out.print(message)
+
+
+@main.command()
+@click.option(
+    "--dir",
+    "directory",
+    default=None,
+    help="Keep the demo's files here (default: a temporary directory, removed).",
+)
+@click.pass_obj
+def demo(obj: Context, directory: str | None) -> None:
+    """A guided run against a local receiver: lost responses, replays, reconciliation."""
+    from outbox.demo import run_demo
+
+    del obj
+    run_guarded(lambda: run_demo(directory, out))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
