@@ -62,7 +62,7 @@ def run_demo(directory: str | None, out: Console, *, deadline_seconds: float = 3
 def _story(receiver: Receiver, db_url: str, out: Console, deadline_seconds: float) -> None:
     receiver.faults.drop_after_commit(times=1, key="order-1001-reserve")
     receiver.faults.fail_before_work(503, retry_after="1", times=1, key="order-1003-reserve")
-    receiver.faults.hang_after_commit(path="/reservations/slow")
+    receiver.faults.hang_after_commit(path="/reservations/slow", replays=True)
     endpoint = Endpoint(
         name="inventory",
         base_url=receiver.url,

@@ -295,7 +295,7 @@ class Dispatcher:
             await failpoints.hit("after_attempt_commit")
             # Re-check the lease on the monotonic clock: a process that was paused (GC,
             # SIGSTOP, a frozen VM) must not wake up and send on a lease it lost.
-            remaining = work.lease_seconds - (self.clock.monotonic() - work.claimed_mono)
+            remaining = self._lease_left(work)
             if remaining < endpoint.timeout + self.settings.lease_margin_seconds:
                 self.summary.lease_check_failed += 1
                 log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
@@ -336,6 +336,10 @@ class Dispatcher:
             log.exception("attempt_crashed", error=type(exc).__name__)
             self._names.pop(c.pk, None)
             self._release_slot(1)
+
+    def _lease_left(self, work: _Work) -> float:
+        """Seconds of the lease left, measured on the monotonic clock from before the claim."""
+        return work.lease_seconds - (self.clock.monotonic() - work.claimed_mono)
 
     def _not_sent(self, work: _Work) -> AttemptOutcome:
         c = work.claimed
