@@ -1,0 +1,148 @@
+"""The dispatcher as users run it: `outbox dispatch` subprocesses, killed and raced.
+
+Real SIGKILLs and SIGTERMs, a real receiver, both databases.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from outbox import Delivery, Endpoint, Intent, Outbox, State
+from outbox.testing.receiver import Receiver
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.support.dispatch_app:outbox"
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(tmp_path / "receiver.sqlite3") as rx:
+        yield rx
+
+
+def _env(db_url: str, receiver: Receiver, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OUTBOX_TEST_DB=db_url, OUTBOX_TEST_RECEIVER_URL=receiver.url,
+               **extra)
+    return env
+
+
+def _dispatcher(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "outbox.cli", "--log-level", "warning", "--app", APP, "dispatch",
+         *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def _outbox(db_url: str, receiver: Receiver) -> Outbox:
+    return Outbox(db_url, endpoints=[Endpoint(name="receiver", base_url=receiver.url)])
+
+
+def _wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
+
+
+def test_sigkill_mid_request_then_restart_gives_one_effect(
+    db_url: str, receiver: Receiver
+) -> None:
+    ob = _outbox(db_url, receiver)
+    try:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="killed-1")
+        receiver.faults.delay_after_commit(1.0, key="killed-1")
+        env = _env(db_url, receiver, OUTBOX_TEST_TIMEOUT="1.5", OUTBOX_TEST_LEASE="3")
+        first = _dispatcher(env)
+        try:
+            _wait_for(lambda: receiver.requests(key="killed-1"), 15, "the first request")
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=10)
+        finally:
+            _stop(first)
+        assert ob.get("killed-1").state is State.IN_FLIGHT
+        second = _dispatcher(env)
+        try:
+            _wait_for(lambda: ob.get("killed-1").state.is_settled, 30, "recovery")
+        finally:
+            second.send_signal(signal.SIGTERM)
+            second.wait(timeout=15)
+            _stop(second)
+        op = ob.get("killed-1")
+        assert op.state is State.SUCCEEDED
+        assert op.attempts[0].delivery is Delivery.UNKNOWN
+        assert op.attempts[0].error_class == "LeaseExpired"
+        assert op.attempts[-1].status_code == 201
+        assert receiver.effect_count(key="killed-1") == 1
+        assert len({r.request_id for r in receiver.requests(key="killed-1")}) == len(op.attempts)
+    finally:
+        ob.close()
+
+
+@pytest.mark.timeout(180)
+def test_two_dispatcher_processes_send_each_operation_once(
+    db_url: str, receiver: Receiver
+) -> None:
+    n = 200
+    ob = _outbox(db_url, receiver)
+    try:
+        ob.enqueue_many([
+            Intent("receiver", "POST", "/orders", {"n": i}, operation_id=f"race-{i}")
+            for i in range(n)
+        ])
+        env = _env(db_url, receiver, OUTBOX_TEST_CONCURRENCY="8")
+        procs = [_dispatcher(env), _dispatcher(env)]
+        try:
+            _wait_for(lambda: ob.reconcile.status().counts["succeeded"] == n, 120,
+                      "all operations to succeed")
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            codes = [p.wait(timeout=30) for p in procs]
+            for p in procs:
+                _stop(p)
+        assert codes == [0, 0]
+        assert receiver.effect_count() == n
+        requests = receiver.requests()
+        assert len(requests) == n  # no operation was sent twice
+        assert len({r.key for r in requests}) == n
+    finally:
+        ob.close()
+
+
+def test_sigterm_lets_requests_in_flight_finish(db_url: str, receiver: Receiver) -> None:
+    ob = _outbox(db_url, receiver)
+    try:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="graceful")
+        receiver.faults.delay_after_commit(1.0, key="graceful")
+        proc = _dispatcher(_env(db_url, receiver, OUTBOX_TEST_TIMEOUT="5"))
+        try:
+            _wait_for(lambda: receiver.requests(key="graceful"), 15, "the request")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            _stop(proc)
+        op = ob.get("graceful")
+        assert op.state is State.SUCCEEDED  # the outcome was recorded before exit
+        assert len(op.attempts) == 1
+    finally:
+        ob.close()
