@@ -19,7 +19,7 @@ demo: install
 	$(BIN)/outbox demo
 
 lint: install
-	$(BIN)/ruff check outbox tests migrations examples benchmarks
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: lint

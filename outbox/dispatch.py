@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 
 import httpx
 import structlog
+from sqlalchemy.exc import DBAPIError
 
 from outbox import failpoints
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
+from outbox.errors import StoreError
 from outbox.model import Delivery, State, Verdict
 from outbox.policy import decide, reason_from_history
 from outbox.store.base import Store
@@ -38,6 +40,8 @@ TransportFactory = Callable[[Endpoint], httpx.AsyncBaseTransport | None]
 _CLOCK_SYNC_SECONDS = 30.0
 #: An operation naming an endpoint this dispatcher does not know is put back for this long.
 _UNKNOWN_ENDPOINT_DELAY_MS = 60_000
+#: The longest wait between claims while the database refuses them.
+_MAX_STORE_BACKOFF_SECONDS = 5.0
 
 
 @dataclass
@@ -154,6 +158,7 @@ class Dispatcher:
             lease_seconds=self.lease_seconds,
             once=once,
         )
+        backoff = 0.0
         try:
             while not stop.is_set():
                 free = self.settings.concurrency - self._inflight
@@ -162,8 +167,20 @@ class Dispatcher:
                     self._capacity.clear()
                     await _wait_any(self._capacity, stop, timeout=1.0)
                     continue
-                await self._maybe_sync_clock()
-                started = await self._claim_and_start(min(free, self.settings.batch_size))
+                try:
+                    await self._maybe_sync_clock()
+                    started = await self._claim_and_start(min(free, self.settings.batch_size))
+                except (StoreError, DBAPIError) as exc:
+                    # Locked, read-only or unreachable: nothing was claimed (or the claim's
+                    # lease will simply expire). Back off and try again; never crash.
+                    backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
+                    self._log.warning("store_unavailable", error=type(exc).__name__,
+                                      detail=str(exc)[:300], retry_in_seconds=backoff)
+                    if once:
+                        raise
+                    await _wait_any(stop, timeout=backoff)
+                    continue
+                backoff = 0.0
                 for work in started:
                     self._inflight += 1
                     task = asyncio.create_task(self._attempt(work))

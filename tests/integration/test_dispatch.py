@@ -266,7 +266,7 @@ def test_fenced_write_from_a_lost_lease_changes_nothing(make_ob: MakeOutbox) -> 
                                           lease_until=now + 1000,
                                           request_ids={claimed_a[0].pk: "req-a"})
     clock.advance(2)
-    claimed_b, recovered = ob.store.claim(owner="B", token="token-b", now_ms=clock.now_ms(),
+    _, recovered = ob.store.claim(owner="B", token="token-b", now_ms=clock.now_ms(),
                                           lease_ms=1000, limit=10)
     assert [r.request_id for r in recovered] == ["req-a"]
     before = ob.get("fenced")
