@@ -104,13 +104,18 @@ class Outbox:
             self.engine = create_engine(db if db is not None else DEFAULT_URL)
             self._owns_engine = True
         _CONFIGURED.add(self.engine)
-        is_sqlite = self.engine.dialect.name == "sqlite"
-        ensure_schema(self.engine, create=is_sqlite if auto_migrate is None else auto_migrate)
-        self.store: Store = store_for(self.engine)
-        if clock is None:
-            server_ms = self.store.server_time_ms()
-            clock = SystemClock() if server_ms is None else OffsetClock(server_ms)
-        self.clock = clock
+        try:
+            is_sqlite = self.engine.dialect.name == "sqlite"
+            ensure_schema(self.engine, create=is_sqlite if auto_migrate is None else auto_migrate)
+            self.store: Store = store_for(self.engine)
+            if clock is None:
+                server_ms = self.store.server_time_ms()
+                clock = SystemClock() if server_ms is None else OffsetClock(server_ms)
+        except BaseException:
+            if self._owns_engine:
+                self.engine.dispose()
+            raise
+        self.clock: Clock = clock
         self.max_body_bytes = max_body_bytes
         self.secret_headers = tuple(secret_headers)
         self.dispatcher_settings = dispatcher or DispatcherSettings()

@@ -5,6 +5,7 @@ All are frozen and keyword-only; units are in the names or in the types.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from tenacity import wait_random_exponential
 from outbox.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from outbox.lookup import StatusLookup
     from outbox.transport import Classification
 
 #: A tenacity wait strategy: a callable taking a ``RetryCallState`` and giving seconds.
@@ -105,9 +107,11 @@ class Endpoint:
     max_connections: int = 100
     #: Marks a staging or test receiver the conformance checker may send probes to.
     probe_safe: bool = False
+    #: How to ask the receiver whether an operation was applied (``outbox.lookup``).
+    status_lookup: StatusLookup | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ConfigurationError(
                 f"endpoint name {self.name!r} must be 1-64 characters of [A-Za-z0-9._-]"
             )
@@ -121,7 +125,7 @@ class Endpoint:
             raise ConfigurationError(
                 f"endpoint {self.name!r}: base_url must not carry a query or fragment"
             )
-        if self.timeout <= 0:
+        if not math.isfinite(self.timeout) or self.timeout <= 0:
             raise ConfigurationError(f"endpoint {self.name!r}: timeout must be positive")
         if self.key_retention <= timedelta(0):
             raise ConfigurationError(f"endpoint {self.name!r}: key_retention must be positive")

@@ -150,7 +150,11 @@ class Dispatcher:
     ) -> DispatchSummary:
         """Dispatch until ``stop`` is set (or one batch, with ``once``)."""
         stop = stop or asyncio.Event()
-        await self._run_db(self.store.preflight)
+        try:
+            await self._run_db(self.store.preflight)
+        except BaseException:
+            self._db.shutdown(wait=False)
+            raise
         writer = asyncio.create_task(self._write_outcomes())
         self._log.info(
             "dispatcher_started",
