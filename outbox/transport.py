@@ -237,17 +237,19 @@ def request_headers(
     tenant: str,
     has_body: bool,
 ) -> dict[str, str]:
-    headers: dict[str, str] = dict(endpoint.headers)
+    # Case-insensitive, and the identity headers are set last: neither stored headers
+    # nor an auth callable can replace the key or the request ID in the attempt log.
+    headers = httpx.Headers(endpoint.headers)
     headers.update(stored_headers)
+    if endpoint.auth is not None and not isinstance(endpoint.auth, httpx.Auth):
+        headers.update(endpoint.auth())
     if has_body:
         headers.setdefault("content-type", "application/json")
     headers[endpoint.idempotency_header] = operation_id
     headers[endpoint.request_id_header] = request_id
     if endpoint.tenant_header is not None:
         headers[endpoint.tenant_header] = tenant
-    if endpoint.auth is not None and not isinstance(endpoint.auth, httpx.Auth):
-        headers.update(endpoint.auth())
-    return headers
+    return dict(headers.multi_items())
 
 
 async def send_attempt(

@@ -5,7 +5,20 @@
 * ``outbox_db_url``: a fresh SQLite database URL in the test's temporary directory.
 * ``make_outbox``: builds an :class:`outbox.Outbox` on ``outbox_db_url`` with an endpoint
   named ``receiver`` pointing at ``outbox_receiver`` (short timeouts and window, so
-  lost-response tests finish in seconds); closed after the test.
+  lost-response tests finish in seconds) and a :class:`outbox.FakeClock`; every outbox it
+  made is closed after the test. Its keywords: ``db`` (another database URL or Engine),
+  ``name`` and ``base_url`` of the endpoint, ``timeout``, ``max_attempts``, ``window``,
+  ``wait`` (a tenacity wait strategy, e.g. ``wait_fixed(1)`` for a predictable backoff),
+  ``key_retention``, ``clock``, and any other :class:`outbox.Endpoint` option
+  (``tenant_header="X-Tenant"``, ``auth=...``).
+
+To give the receiver your own effect (``handler``) or options, override the fixture in
+your ``conftest.py``; ``make_outbox`` then points at yours::
+
+    @pytest.fixture
+    def outbox_receiver(tmp_path):
+        with Receiver(tmp_path / "receiver.sqlite3", handler=my_handler) as rx:
+            yield rx
 
 A lost-response test::
 
@@ -29,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine
 
 from outbox.client import Outbox
 from outbox.clock import FakeClock
@@ -54,19 +68,27 @@ def make_outbox(outbox_db_url: str, outbox_receiver: Receiver) -> Iterator[Calla
 
     def make(
         *,
-        db: str | None = None,
+        db: str | Engine | None = None,
+        name: str = "receiver",
+        base_url: str | None = None,
         timeout: float = 2.0,
         max_attempts: int = 5,
         window: timedelta = timedelta(minutes=5),
+        wait: Any = None,
         key_retention: timedelta = timedelta(hours=1),
         clock: Any = None,
         **endpoint_options: Any,
     ) -> Outbox:
+        retry = (
+            RetryPolicy(max_attempts=max_attempts, window=window)
+            if wait is None
+            else RetryPolicy(max_attempts=max_attempts, window=window, wait=wait)
+        )
         endpoint = Endpoint(
-            name="receiver",
-            base_url=outbox_receiver.url,
+            name=name,
+            base_url=base_url or outbox_receiver.url,
             timeout=timeout,
-            retry=RetryPolicy(max_attempts=max_attempts, window=window),
+            retry=retry,
             key_retention=key_retention,
             **endpoint_options,
         )

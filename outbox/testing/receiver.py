@@ -89,6 +89,9 @@ __all__ = [
 ]
 
 Synchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
+#: Deliberate defects, for testing conformance checkers (see :class:`Receiver`).
+Flaw = Literal["ignores_key", "caches_request_id", "accepts_changed_payload", "forgets_keys_after"]
+_FLAWS = ("ignores_key", "caches_request_id", "accepts_changed_payload", "forgets_keys_after")
 _T = TypeVar("_T")
 
 #: A pluggable effect: ``handler(conn, tenant, method, path, json_body) -> (status, body)``.
@@ -760,8 +763,10 @@ class _Service:
         handler: EffectHandler | None,
         plan: _FaultPlan,
         on_clear: Callable[[], None],
+        flaw: Flaw | None = None,
     ) -> None:
         self._ttl_ms = None if key_ttl_seconds is None else int(key_ttl_seconds * 1000)
+        self._flaw = flaw
         self._tenant_header = tenant_header
         self._handler = handler
         self.plan = plan
@@ -874,6 +879,13 @@ class _Service:
             self._log_only(req, "fault:fail_before_work", early.status)
             return self._fail_reply(early, base)
         payload_hash, parsed, is_json = _canonical(req.method, req.target, req.body)
+        if self._flaw == "ignores_key":  # flaw: no receipt at all, every request applies
+            seq = self._writer.run(lambda conn: self._insert_log(conn, req, "received", None))
+            return self._writer.run(
+                lambda conn: self._apply(
+                    conn, req, seq=seq, parsed=parsed, is_json=is_json, base=base
+                )
+            )
         # Transaction 1: log the arrival; find the receipt or claim the key ("processing").
         claim = self._writer.run(lambda conn: self._claim(conn, req, payload_hash, base))
         if isinstance(claim, _Reply):
@@ -881,9 +893,27 @@ class _Service:
         # Committed: until transaction 2 commits, a request with this key gets 409.
         # Transaction 2: one effect row and the completed receipt, atomically.
         seq = claim
-        return self._writer.run(
-            lambda conn: self._apply(conn, req, seq=seq, parsed=parsed, is_json=is_json, base=base)
-        )
+        try:
+            return self._writer.run(
+                lambda conn: self._apply(
+                    conn, req, seq=seq, parsed=parsed, is_json=is_json, base=base
+                )
+            )
+        except _Stopped:
+            raise
+        except Exception as exc:
+            # Transaction 2 rolled back whole: nothing applied; release the key.
+            def release(conn: sqlite3.Connection) -> None:
+                conn.execute(
+                    "DELETE FROM receipts WHERE tenant = ? AND idempotency_key = ?"
+                    " AND state = 'processing' AND stuck = 0",
+                    (req.tenant, req.key),
+                )
+                self._set_outcome(conn, seq, "handler_error", 500)
+
+            self._writer.run(release)
+            detail = {"error": "internal_error", "detail": repr(exc)}
+            return _Reply(500, _json_bytes(detail), base)
 
     def _claim(
         self, conn: sqlite3.Connection, req: _Incoming, payload_hash: str, base: _Headers
@@ -942,7 +972,7 @@ class _Service:
         if row["state"] == "processing":
             self._set_outcome(conn, seq, "in_progress", 409)
             return _Reply(409, _json_bytes({"error": "idempotency_key_in_use"}), base)
-        if row["payload_hash"] != payload_hash:
+        if row["payload_hash"] != payload_hash and self._flaw != "accepts_changed_payload":
             self._set_outcome(conn, seq, "conflict", 422)
             body = {
                 "error": "idempotency_key_reused",
@@ -953,6 +983,14 @@ class _Service:
         status = int(row["response_status"])
         self._set_outcome(conn, seq, "replayed", status)
         headers = (*base, ("Idempotent-Replayed", "true"))
+        if self._flaw == "caches_request_id":  # flaw: the first request's X-Request-ID
+            first = conn.execute(
+                "SELECT request_id FROM effects WHERE tenant = ? AND idempotency_key = ?"
+                " ORDER BY id LIMIT 1",
+                (row["tenant"], row["idempotency_key"]),
+            ).fetchone()
+            cached = first["request_id"] if first is not None else None
+            headers = (("X-Request-ID", cached or ""), ("Idempotent-Replayed", "true"))
         return _Reply(status, str(row["response_body"]).encode(), headers)
 
     def _apply(
@@ -1392,6 +1430,13 @@ class Receiver(_Oracle):
     completes the receipt; ``handler`` (see :data:`EffectHandler`) then chooses the stored
     response and may add its own writes. Without one the response is 201
     ``{"effect_id", "tenant", "key", "received"}``.
+
+    ``flaw`` makes it deliberately wrong, to test conformance checkers:
+    ``"ignores_key"`` (no receipts: every request applies a new effect),
+    ``"caches_request_id"`` (replays carry the first request's ``X-Request-ID``),
+    ``"accepts_changed_payload"`` (a reused key with other arguments replays the first
+    result with its 2xx instead of answering 422) and ``"forgets_keys_after"`` (an alias
+    making ``key_ttl_seconds``, which it requires, explicit).
     """
 
     def __init__(
@@ -1405,9 +1450,15 @@ class Receiver(_Oracle):
         synchronous: Synchronous = "FULL",
         handler: EffectHandler | None = None,
         random_faults: RandomFaults | None = None,
+        flaw: Flaw | None = None,
     ) -> None:
         if synchronous not in _SYNC_LEVELS:
             raise ValueError(f"synchronous must be one of {_SYNC_LEVELS}")
+        if flaw is not None and flaw not in _FLAWS:
+            raise ValueError(f"flaw must be one of {_FLAWS}")
+        if flaw == "forgets_keys_after" and key_ttl_seconds is None:
+            raise ValueError("flaw='forgets_keys_after' needs key_ttl_seconds")
+        self._flaw: Flaw | None = flaw
         self._tmpdir: str | None = None
         if db_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="outbox-receiver-")
@@ -1462,6 +1513,7 @@ class Receiver(_Oracle):
             handler=self._handler,
             plan=self._plan,
             on_clear=self._clear_faults,
+            flaw=self._flaw,
         )
         try:
             server = self._bind(service)
