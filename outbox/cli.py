@@ -140,6 +140,8 @@ def main(
 ) -> None:
     """A durable, client-side operation outbox for HTTP integrations."""
     logs.configure(log_level, log_format)
+    # Piped or captured output: never cut IDs to an 80-column guess; operators copy them.
+    out.width = None if sys.stdout.isatty() else 4096  # type: ignore[assignment]
     ctx.obj = Context(db, app)
     ctx.call_on_close(ctx.obj.close)
 
@@ -537,6 +539,136 @@ def demo(obj: Context, directory: str | None) -> None:
 
     del obj
     run_guarded(lambda: run_demo(directory, out))
+
+
+# -- receiver conformance check and status lookups ------------------------------------------
+
+
+@main.command("check-receiver")
+@click.option(
+    "--app", "app_option", default=None, help="module:attr naming the application's Outbox."
+)
+@click.option("--endpoint", required=True, help="The registered endpoint to probe.")
+@click.option("--path", required=True, help="The operation's path, e.g. /reservations.")
+@click.option("--json-body", required=True, help="The probe operation's JSON body.")
+@click.option("--method", default="POST", show_default=True)
+@click.option("--tenant", default="", help="Tenant sent with the probes (if the endpoint does).")
+@click.option(
+    "--retention-delay",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="Seconds before re-sending a key, as a hint about key retention.",
+)
+@click.option("--concurrency", type=click.IntRange(2, 256), default=8, show_default=True)
+@click.option(
+    "--i-understand-this-sends-real-requests",
+    "allow_unsafe",
+    is_flag=True,
+    help="Probe an endpoint not marked probe_safe=True (the probes create real effects).",
+)
+@json_option
+@click.pass_obj
+def check_receiver_command(
+    obj: Context,
+    app_option: str | None,
+    endpoint: str,
+    path: str,
+    json_body: str,
+    method: str,
+    tenant: str,
+    retention_delay: float,
+    concurrency: int,
+    allow_unsafe: bool,
+    as_json: bool,
+) -> None:
+    """Probe a (staging) receiver's idempotency: one verdict line per property.
+
+    Exit 0 when no check failed, 1 when one did, 2 on a usage error or an endpoint not
+    marked probe_safe. Passing proves nothing about production.
+    """
+    from outbox.checker import check_receiver
+
+    def go() -> None:
+        try:
+            body = json.loads(json_body)
+        except ValueError as exc:
+            raise click.UsageError(f"--json-body is not JSON: {exc}") from exc
+        if app_option:
+            obj.app = app_option
+        if not obj.app:
+            raise click.UsageError("check-receiver needs --app module:attr: endpoints live in code")
+        report = check_receiver(
+            obj.outbox(),
+            endpoint=endpoint,
+            method=method,
+            path=path,
+            json_body=body,
+            tenant=tenant,
+            retention_delay=retention_delay,
+            concurrency=concurrency,
+            allow_unsafe=allow_unsafe,
+        )
+        if as_json:
+            _emit_json(report.as_dict())
+        else:
+            for line in report.lines():
+                out.print(line, markup=False)
+        sys.exit(report.exit_code)
+
+    run_guarded(go)
+
+
+@reconcile.command("probe")
+@click.argument("operation_id", required=False)
+@click.option("--all", "every", is_flag=True, help="Probe every unresolved operation.")
+@click.option("--tenant", default=None, help="The operation's tenant (with --all: a filter).")
+@click.option("--endpoint", default=None, help="With --all: only this endpoint's operations.")
+@json_option
+@click.pass_obj
+def reconcile_probe(
+    obj: Context,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    as_json: bool,
+) -> None:
+    """Ask the receiver (the endpoint's status_lookup) and settle what it answers.
+
+    Applied: resolved as succeeded. Not applied, within the key retention: requeued under
+    the same operation ID. After it: left unresolved, evidence in the audit. Unknown: left
+    for you. Every action is audited as actor status-lookup.
+    """
+    from outbox.lookup import probe, probe_all
+
+    if every == (operation_id is not None):
+        raise click.UsageError("name one operation, or pass --all")
+    if operation_id is not None and endpoint is not None:
+        raise click.UsageError("--endpoint filters --all only")
+
+    def go() -> None:
+        ob = obj.outbox()
+        if operation_id is not None:
+            outcomes = [probe(ob, operation_id, tenant=tenant or "")]
+        else:
+            outcomes = probe_all(ob, endpoint=endpoint, tenant=tenant)
+        if as_json:
+            _emit_json([o.as_dict() for o in outcomes])
+            return
+        for o in outcomes:
+            tenant_note = f" (tenant {o.tenant!r})" if o.tenant else ""
+            out.print(
+                f"{o.operation_id}{tenant_note}: {o.action.value}, now {o.state.value}",
+                markup=False,
+            )
+            if o.lookup is not None:
+                out.print(f"  lookup: {o.lookup.describe()}", markup=False)
+            if o.lookup is None or o.detail != o.lookup.detail:
+                out.print(f"  {o.detail}", markup=False)
+        out.print(f"{len(outcomes)} operations probed", markup=False)
+
+    run_guarded(go)
 
 
 if __name__ == "__main__":  # pragma: no cover

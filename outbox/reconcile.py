@@ -313,7 +313,13 @@ class Reconciler:
                 "retention is unknown, so requeue needs --accept-duplicate-risk",
             )
         expires = op.first_attempt_at_ms + int(endpoint.key_retention.total_seconds() * 1000)
-        passed = self.outbox.clock.now_ms() >= expires
+        if op.attempts and all(a.delivery is Delivery.NOT_SENT for a in op.attempts):
+            return RequeueRisk(expires, False, "no attempt ever left this machine: requeue is safe")
+        # The dispatcher stops sending a margin before the receiver forgets the key; past
+        # that point a requeue without accepting the risk would send nothing.
+        usable = endpoint.key_retention - endpoint.margin
+        sendable_until = op.first_attempt_at_ms + int(usable.total_seconds() * 1000)
+        passed = self.outbox.clock.now_ms() >= sendable_until
         if passed:
             note = (
                 "the receiver's key retention has passed since the first attempt: a resend "
@@ -469,8 +475,10 @@ class Reconciler:
             "attempts_counted": 0,
             "finished_at": None,
         }
-        if risk.key_retention_passed is not False and accept_duplicate_risk:
-            # The receiver has forgotten the key: the next attempt starts its life anew.
+        never_sent = all(a.delivery is Delivery.NOT_SENT for a in op.attempts)
+        if (risky and accept_duplicate_risk) or never_sent:
+            # The receiver has forgotten the key, or never saw it: the key's life (and so
+            # the key-retention bound on the window) starts again with the next attempt.
             values["first_attempt_at"] = None
         return self._act(
             op,
