@@ -300,6 +300,7 @@ class Outbox:
             clock=self.clock,
             settings=settings or self.dispatcher_settings,
             transport_factory=self.transport_factory,
+            outbox=self,
         )
 
     async def dispatch_once_async(self) -> DispatchSummary:

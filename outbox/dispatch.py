@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import structlog
@@ -25,11 +25,14 @@ from outbox import failpoints
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.errors import StoreError
-from outbox.model import Delivery, State, Verdict
+from outbox.model import Delivery, Reason, State, Verdict
 from outbox.policy import decide, reason_from_history
 from outbox.store.base import Store
 from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
 from outbox.transport import AttemptResult, build_client, request_headers, send_attempt
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
 
 logger = structlog.get_logger("outbox.dispatch")
 
@@ -99,8 +102,12 @@ class Dispatcher:
         clock: Clock,
         settings: DispatcherSettings,
         transport_factory: TransportFactory | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.store = store
+        # Needed to settle operations through a status lookup (audited operator actions).
+        self._outbox = outbox
+        self._lookups: set[asyncio.Task[None]] = set()
         self.endpoints = dict(endpoints)
         self.clock = clock
         self.settings = settings
@@ -201,6 +208,8 @@ class Dispatcher:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._outcomes.put(None)
             await writer
+            if self._lookups:
+                await asyncio.gather(*self._lookups, return_exceptions=True)
             for client in self._clients.values():
                 await client.aclose()
             self._clients.clear()
@@ -455,17 +464,54 @@ class Dispatcher:
                 self._log.exception("outcome_write_failed", count=len(batch))
                 written = set()
             for out in batch:
-                self._log_transition(out, applied=out.pk in written)
+                names = self._log_transition(out, applied=out.pk in written)
+                if out.pk in written and out.state is State.UNRESOLVED:
+                    self._maybe_look_up(out, names)
             await failpoints.hit("after_outcome")
             self._release_slot(len(batch))
 
-    def _log_transition(self, out: AttemptOutcome, *, applied: bool) -> None:
+    def _maybe_look_up(self, out: AttemptOutcome, names: dict[str, Any]) -> None:
+        """Ask the receiver about an operation that just became unresolved, if it can be asked."""
+        endpoint = self.endpoints.get(names.get("endpoint", ""))
+        if (
+            self._outbox is None
+            or endpoint is None
+            or endpoint.status_lookup is None
+            or not endpoint.status_lookup.on_unresolved
+            or out.reason is Reason.KEY_CONFLICT
+        ):
+            return
+        task = asyncio.create_task(
+            self._look_up(endpoint, names["operation_id"], names["tenant"])
+        )
+        self._lookups.add(task)
+        task.add_done_callback(self._lookups.discard)
+
+    async def _look_up(self, endpoint: Endpoint, operation_id: str, tenant: str) -> None:
+        from outbox.lookup import lookup_status, settle_after_dispatch
+
+        log = self._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
+        try:
+            result = await lookup_status(self._client(endpoint), endpoint, operation_id, tenant)
+            outcome = await self._run_db(
+                settle_after_dispatch, outbox=self._outbox, operation_id=operation_id,
+                tenant=tenant, result=result,
+            )
+        except Exception:
+            log.exception("status_lookup_failed")
+            return
+        log.info("status_lookup", answer=result.status.value,
+                 action=outcome.action.value if outcome else "none")
+        if outcome is not None and outcome.state is State.SUCCEEDED:
+            self.summary.succeeded += 1
+
+    def _log_transition(self, out: AttemptOutcome, *, applied: bool) -> dict[str, Any]:
         names = self._names.pop(out.pk, {"operation_pk": out.pk})
         log = self._log.bind(request_id=out.request_id, **names)
         if not applied:
             self.summary.fenced += 1
             log.warning("write_fenced", detail="another dispatcher holds the lease; dropped")
-            return
+            return names
         if out.state is State.SUCCEEDED:
             self.summary.succeeded += 1
             log.info("operation_succeeded", status=out.status_code)
@@ -478,6 +524,7 @@ class Dispatcher:
         elif out.delivery is not Delivery.NOT_SENT or out.error_class != "LeaseCheckFailed":
             self.summary.retry_scheduled += 1
             log.info("retry_scheduled", next_attempt_at=out.next_attempt_at)
+        return names
 
 
 def _json_headers(text: str) -> dict[str, str]:

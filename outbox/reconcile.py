@@ -7,6 +7,7 @@ concurrency): of two operators acting at once, one wins and the other gets
 
 from __future__ import annotations
 
+import builtins
 import getpass
 import json
 import re
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from outbox import lookup
 from outbox.canonical import check_operation_id, check_tenant
 from outbox.errors import (
     ConcurrentModification,
@@ -372,6 +374,16 @@ class Reconciler:
             keys_near_expiry=near,
             problems=problems,
         )
+
+    def probe(self, operation_id: str, *, tenant: str = "") -> lookup.ProbeOutcome:
+        """Ask the receiver (the endpoint's status_lookup) and settle a definitive answer."""
+        return lookup.probe(self.outbox, operation_id, tenant=tenant)
+
+    def probe_all(
+        self, *, endpoint: str | None = None, tenant: str | None = None
+    ) -> builtins.list[lookup.ProbeOutcome]:
+        """:meth:`probe` every unresolved operation (optionally filtered)."""
+        return lookup.probe_all(self.outbox, endpoint=endpoint, tenant=tenant)
 
     # -- actions ------------------------------------------------------------------
 
