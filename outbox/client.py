@@ -28,8 +28,10 @@ from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import Dispatcher, DispatchSummary, TransportFactory
 from outbox.errors import (
     ConfigurationError,
+    NotStoredError,
     OperationConflict,
     OperationNotFound,
+    StoreError,
     ValidationError,
     WaitTimeout,
 )
@@ -180,8 +182,13 @@ class Outbox:
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is not None:
             return self._enqueue_on(_connection_of(connection), intent)
-        with self.store.write() as conn:
-            return self._enqueue_on(conn, intent)
+        try:
+            with self.store.write() as conn:
+                return self._enqueue_on(conn, intent)
+        except NotStoredError:
+            raise
+        except StoreError as exc:
+            raise NotStoredError(f"the operation was not stored: {exc}") from exc
 
     def enqueue_many(self, intents: Sequence[Intent], *, connection: Any = None) -> list[Operation]:
         """Enqueue several operations in one transaction: all are stored, or none."""

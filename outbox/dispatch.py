@@ -331,6 +331,16 @@ class Dispatcher:
                 log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
                 await self._outcomes.put(self._not_sent(work))
                 return
+            deadline = endpoint.deadline_ms(
+                window_started_at_ms=started.window_started_at,
+                first_attempt_at_ms=started.first_attempt_at,
+            )
+            if self.clock.now_ms() > deadline:
+                # The window closed between the claim and now: never send after it. The
+                # next claim settles the operation as unresolved.
+                log.warning("window_closed_before_send")
+                await self._outcomes.put(self._not_sent(work))
+                return
             headers = request_headers(
                 endpoint,
                 stored_headers=_json_headers(c.headers_json),

@@ -7,8 +7,19 @@
 * ``pause:SECONDS[@P]``: sleep that long (longer than the lease, to test fencing).
 
 Points: ``after_claim``, ``after_attempt_commit`` (before the send), ``after_response``
-(before the outcome commit), ``after_outcome``. With the variable unset, ``hit`` is one
-dictionary lookup on an empty dict.
+(before the outcome commit), ``after_outcome``. With the variable unset and no callback
+registered, ``hit`` is one truth test of an empty dict.
+
+Two more variables, for soaks that must account for what fired in processes they kill:
+
+* ``OUTBOX_FAILPOINTS_SEED``: seeds the draws (a process-private generator), so a run
+  can be replayed.
+* ``OUTBOX_FAILPOINTS_LOG``: a file to which one line ``pid point action`` is appended
+  (a single ``write`` on an ``O_APPEND`` descriptor) *before* the action runs, so a
+  SIGKILL is accounted for too.
+
+In-process tests can register a callback instead (``register``): an async callable run
+at the point, e.g. one that waits for an event to hold a dispatcher exactly there.
 """
 
 from __future__ import annotations
@@ -18,10 +29,15 @@ import os
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 POINTS = ("after_claim", "after_attempt_commit", "after_response", "after_outcome")
 ENV = "OUTBOX_FAILPOINTS"
+SEED_ENV = "OUTBOX_FAILPOINTS_SEED"
+LOG_ENV = "OUTBOX_FAILPOINTS_LOG"
+
+Callback = Callable[[str], Awaitable[None]]
 
 
 class FailpointError(RuntimeError):
@@ -33,6 +49,14 @@ class Failpoint:
     action: str
     probability: float = 1.0
     seconds: float = 0.0
+    callback: Callback | None = None
+
+
+def _probability(text: str, item: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"failpoint {item!r}: probability must be within [0, 1]")
+    return value
 
 
 def parse(spec: str) -> dict[str, Failpoint]:
@@ -44,29 +68,71 @@ def parse(spec: str) -> dict[str, Failpoint]:
         rule, _, prob = rule.partition("@")
         action, _, arg = rule.partition(":")
         if action in ("kill", "raise"):
-            points[name] = Failpoint(action, float(arg or prob or 1.0))
+            points[name] = Failpoint(action, _probability(arg or prob or "1", item))
         elif action == "pause":
-            points[name] = Failpoint(action, float(prob or 1.0), float(arg or 1.0))
+            seconds = float(arg or 1.0)
+            if seconds < 0:
+                raise ValueError(f"failpoint {item!r}: pause seconds must be >= 0")
+            points[name] = Failpoint(action, _probability(prob or "1", item), seconds)
         else:
             raise ValueError(f"unknown failpoint action {action!r} (kill, raise, pause)")
     return points
 
 
+def _rng() -> random.Random:
+    seed = os.environ.get(SEED_ENV)
+    return random.Random(int(seed)) if seed else random.Random()
+
+
 _ACTIVE: dict[str, Failpoint] = parse(os.environ.get(ENV, ""))
+_RNG = _rng()
 _COUNTS: dict[str, int] = {}
 
 
 def reload() -> None:
-    """Re-read the environment (tests set it after import)."""
-    global _ACTIVE  # noqa: PLW0603
+    """Re-read the environment (tests set it after import). Drops registered callbacks."""
+    global _ACTIVE, _RNG  # noqa: PLW0603
     _ACTIVE = parse(os.environ.get(ENV, ""))
+    _RNG = _rng()
+
+
+def register(name: str, callback: Callback, probability: float = 1.0) -> None:
+    """Run ``await callback(name)`` at the point (in-process tests)."""
+    if name not in POINTS:
+        raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
+    _ACTIVE[name] = Failpoint("callback", probability, callback=callback)
+
+
+def clear(name: str | None = None) -> None:
+    """Remove one point (or all of them)."""
+    if name is None:
+        _ACTIVE.clear()
+    else:
+        _ACTIVE.pop(name, None)
+
+
+def counts() -> dict[str, int]:
+    """How many times each point fired in this process."""
+    return dict(_COUNTS)
+
+
+def _record(name: str, action: str) -> None:
+    _COUNTS[name] = _COUNTS.get(name, 0) + 1
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{os.getpid()} {name} {action}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def _fire(name: str) -> Failpoint | None:
     point = _ACTIVE.get(name)
-    if point is None or random.random() >= point.probability:
+    if point is None or _RNG.random() >= point.probability:
         return None
-    _COUNTS[name] = _COUNTS.get(name, 0) + 1
+    _record(name, point.action)
     if point.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if point.action == "raise":
@@ -79,8 +145,12 @@ async def hit(name: str) -> None:
     if not _ACTIVE:
         return
     point = _fire(name)
-    if point is not None and point.action == "pause":
+    if point is None:
+        return
+    if point.action == "pause":
         await asyncio.sleep(point.seconds)
+    elif point.callback is not None:
+        await point.callback(name)
 
 
 def hit_sync(name: str) -> None:

@@ -207,6 +207,29 @@ async def _read_body(response: httpx.Response) -> bytes:
     return b"".join(chunks)
 
 
+def _redact_credentials(body: bytes, sent: httpx.Headers) -> bytes:
+    """A receiver may echo request headers: never keep the credentials it echoes."""
+    from outbox.canonical import CREDENTIAL_HEADERS
+
+    for name, value in sent.items():
+        if name.lower() not in CREDENTIAL_HEADERS:
+            continue
+        for secret in {value, value.partition(" ")[2]}:
+            if len(secret) >= 8:
+                body = body.replace(secret.encode(), b"[REDACTED]")
+    return body
+
+
+def _stays_home(client: httpx.AsyncClient, request: httpx.Request, path: str) -> bool:
+    base = client.base_url
+    return (
+        path.startswith("/")
+        and not path.startswith("//")
+        and "\\" not in path
+        and (request.url.scheme, request.url.netloc) == (base.scheme, base.netloc)
+    )
+
+
 def build_client(
     endpoint: Endpoint, transport: httpx.AsyncBaseTransport | None
 ) -> httpx.AsyncClient:
@@ -271,6 +294,18 @@ async def send_attempt(
     try:
         async with asyncio.timeout(endpoint.timeout):
             request = client.build_request(method, path, headers=headers, content=body)
+            if not _stays_home(client, request, path):
+                # A stored path is relative to the registered base URL, always: a tampered
+                # row must not aim the dispatcher, and the endpoint's credentials, elsewhere.
+                return AttemptResult(
+                    classification=Classification(Verdict.FAILED, Delivery.NOT_SENT),
+                    status_code=None,
+                    receiver_request_id=None,
+                    error_class="UnsafePath",
+                    error_message="not sent: the stored path leaves the endpoint's base URL",
+                    duration_ms=0,
+                    result=None,
+                )
             response = await client.send(request, stream=True)
             try:
                 raw = await _read_body(response)
@@ -294,6 +329,7 @@ async def send_attempt(
             duration_ms=int((time.monotonic() - started) * 1000),
             result=None,
         )
+    raw = _redact_credentials(raw, response.request.headers)
     override = endpoint.classify(response) if endpoint.classify else None
     classification = override or classify_response(response, raw, now_ms())
     keep = classification.verdict in (Verdict.SUCCESS, Verdict.FAILED, Verdict.KEY_CONFLICT)

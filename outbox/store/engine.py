@@ -40,6 +40,13 @@ def sqlite_path(url: URL) -> Path | None:
     database = url.database
     if not database or database == ":memory:" or database.startswith("file::memory:"):
         return None
+    if database.startswith("file:"):
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(database)
+        if url.query.get("mode") == "memory" or "mode=memory" in parts.query:
+            return None
+        return Path(unquote(parts.path))
     return Path(database)
 
 
@@ -80,7 +87,7 @@ def create_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> Engine:
         engine = sa_create_engine(parsed, **kwargs)
     else:
         path = sqlite_path(parsed)
-        if path is not None:
+        if path is not None and parsed.query.get("mode") != "ro":
             create_private_file(path)
         engine = sa_create_engine(parsed, **kwargs)
         configure_sqlite(engine)

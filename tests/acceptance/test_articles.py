@@ -636,7 +636,7 @@ def test_a_rolled_back_receipt_write_leaves_no_change(
         assert [r.state for r in rx.receipts()] in ([], ["processing"])
         observed_before_retry.append(row(settings_db))
         _repair_receipts(rx)
-        # Restarting clears the receipt left "processing" (see the xfail test below).
+        # Restarting clears any receipt left "processing".
         rx.stop()
         rx.start()
         [op] = settle(ob, "edit-42")
