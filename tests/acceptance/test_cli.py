@@ -26,59 +26,21 @@ from click.testing import CliRunner, Result
 from outbox.cli import main
 from outbox.testing.receiver import Receiver
 from tests.integration import _reconcile_states as S
-from tests.integration._reconcile_states import DARK, LOST, RETENTION, UNRESOLVED
+from tests.integration._reconcile_states import (
+    ATTEMPT_KEYS,
+    DARK,
+    LOST,
+    OPERATION_KEYS,
+    REPORT_KEYS,
+    RETENTION,
+    STATUS_KEYS,
+    UNRESOLVED,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 OUTBOX_SCRIPT = Path(sys.executable).with_name("outbox")
 DAY_MS = 86_400_000
 
-OPERATION_KEYS = {
-    "tenant",
-    "operation_id",
-    "endpoint",
-    "method",
-    "path",
-    "headers",
-    "body",
-    "state",
-    "reason",
-    "ordering_key",
-    "attempts_counted",
-    "attempts_total",
-    "created_at",
-    "updated_at",
-    "next_attempt_at",
-    "first_attempt_at",
-    "version",
-    "result",
-}
-REPORT_KEYS = OPERATION_KEYS | {"explanation", "blocked_by", "requeue_risk", "attempts", "audit"}
-ATTEMPT_KEYS = {
-    "number",
-    "request_id",
-    "dispatcher_id",
-    "started_at",
-    "finished_at",
-    "delivery",
-    "verdict",
-    "counted",
-    "status",
-    "receiver_request_id",
-    "error_class",
-    "error_message",
-    "duration_ms",
-    "description",
-}
-STATUS_KEYS = {
-    "counts",
-    "oldest_pending_age_seconds",
-    "reconciliation_backlog",
-    "unresolved_by_reason",
-    "attempts_last_hour",
-    "keys_near_expiry",
-    "problems",
-    "ok",
-}
 #: `reconcile list` order: oldest first (lost went unresolved 120 s before busy and dark).
 UNRESOLVED_IN_LIST_ORDER = (LOST, S.BUSY, DARK)
 EVERY_STATE_COUNTS = {

@@ -293,3 +293,54 @@ def database(kind: str, directory: Path) -> Iterator[str]:
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()
+
+
+# The stable JSON shapes the CLI and the reports promise (README, "JSON shapes").
+OPERATION_KEYS = {
+    "tenant",
+    "operation_id",
+    "endpoint",
+    "method",
+    "path",
+    "headers",
+    "body",
+    "state",
+    "reason",
+    "ordering_key",
+    "attempts_counted",
+    "attempts_total",
+    "created_at",
+    "updated_at",
+    "next_attempt_at",
+    "first_attempt_at",
+    "version",
+    "result",
+}
+REPORT_KEYS = OPERATION_KEYS | {"explanation", "blocked_by", "requeue_risk", "attempts", "audit"}
+ATTEMPT_KEYS = {
+    "number",
+    "request_id",
+    "dispatcher_id",
+    "started_at",
+    "finished_at",
+    "delivery",
+    "verdict",
+    "counted",
+    "status",
+    "receiver_request_id",
+    "error_class",
+    "error_message",
+    "duration_ms",
+    "description",
+}
+AUDIT_KEYS = {"at", "actor", "action", "from_state", "to_state", "note", "details"}
+STATUS_KEYS = {
+    "counts",
+    "oldest_pending_age_seconds",
+    "reconciliation_backlog",
+    "unresolved_by_reason",
+    "attempts_last_hour",
+    "keys_near_expiry",
+    "problems",
+    "ok",
+}

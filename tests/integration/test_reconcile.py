@@ -30,6 +30,8 @@ from outbox.reconcile import Reconciler
 from outbox.testing.receiver import Receiver
 from tests.integration import _reconcile_states as S
 from tests.integration._reconcile_states import (
+    ATTEMPT_KEYS,
+    AUDIT_KEYS,
     BAD,
     BUSY,
     CANCELLED,
@@ -37,7 +39,9 @@ from tests.integration._reconcile_states import (
     EVERY,
     LOST,
     OK,
+    REPORT_KEYS,
     RETENTION,
+    STATUS_KEYS,
     STUCK,
     UNRESOLVED,
     WAIT,
@@ -46,54 +50,6 @@ from tests.integration._reconcile_states import (
 
 DAY = 86_400.0
 
-OPERATION_KEYS = {
-    "tenant",
-    "operation_id",
-    "endpoint",
-    "method",
-    "path",
-    "headers",
-    "body",
-    "state",
-    "reason",
-    "ordering_key",
-    "attempts_counted",
-    "attempts_total",
-    "created_at",
-    "updated_at",
-    "next_attempt_at",
-    "first_attempt_at",
-    "version",
-    "result",
-}
-REPORT_KEYS = OPERATION_KEYS | {"explanation", "blocked_by", "requeue_risk", "attempts", "audit"}
-ATTEMPT_KEYS = {
-    "number",
-    "request_id",
-    "dispatcher_id",
-    "started_at",
-    "finished_at",
-    "delivery",
-    "verdict",
-    "counted",
-    "status",
-    "receiver_request_id",
-    "error_class",
-    "error_message",
-    "duration_ms",
-    "description",
-}
-AUDIT_KEYS = {"at", "actor", "action", "from_state", "to_state", "note", "details"}
-STATUS_KEYS = {
-    "counts",
-    "oldest_pending_age_seconds",
-    "reconciliation_backlog",
-    "unresolved_by_reason",
-    "attempts_last_hour",
-    "keys_near_expiry",
-    "problems",
-    "ok",
-}
 
 
 class World(S.World):
