@@ -37,6 +37,7 @@ from outbox.errors import (
 )
 from outbox.model import Operation, State
 from outbox.store import Store, store_for
+from outbox.store.base import operation_row
 from outbox.store.engine import DEFAULT_URL, create_engine
 from outbox.store.migrate import ensure_schema
 
@@ -192,14 +193,49 @@ class Outbox:
 
     def enqueue_many(self, intents: Sequence[Intent], *, connection: Any = None) -> list[Operation]:
         """Enqueue several operations in one transaction: all are stored, or none."""
-        if connection is not None:
-            conn = _connection_of(connection)
-            return [self._enqueue_on(conn, i) for i in intents]
         # Validate everything first: a bad item must not leave the others half-done.
-        for intent in intents:
-            self._validate(intent)
+        checked = [self._validate(intent) for intent in intents]
+        if connection is not None:
+            return self._enqueue_many_on(_connection_of(connection), checked)
         with self.store.write() as conn:
-            return [self._enqueue_on(conn, i) for i in intents]
+            return self._enqueue_many_on(conn, checked)
+
+    def _enqueue_many_on(
+        self, conn: Connection, checked: list[tuple[str, str, str | None, Any]]
+    ) -> list[Operation]:
+        """One multi-row INSERT for the new keys; keys already stored (or repeated within
+        the batch) take enqueue's one-by-one path: the same result or OperationConflict."""
+        now = self.clock.now_ms()
+        inserted = self.store.insert_operations(
+            conn,
+            [
+                operation_row(
+                    tenant=tenant,
+                    operation_id=op_id,
+                    args=args,
+                    ordering_key=ordering_key,
+                    now_ms=now,
+                )
+                for op_id, tenant, ordering_key, args in checked
+            ],
+        )
+        ops: list[Operation] = []
+        for op_id, tenant, ordering_key, args in checked:
+            pk = inserted.pop((tenant, op_id), None)
+            if pk is not None:
+                ops.append(
+                    self._new_operation(
+                        pk,
+                        op_id=op_id,
+                        tenant=tenant,
+                        ordering_key=ordering_key,
+                        args=args,
+                        now=now,
+                    )
+                )
+            else:
+                ops.append(self._insert_checked(conn, op_id, tenant, ordering_key, args))
+        return ops
 
     def _validate(self, intent: Intent) -> tuple[str, str, str | None, Any]:
         op_id = intent.operation_id if intent.operation_id is not None else str(uuid.uuid4())
@@ -223,6 +259,36 @@ class Outbox:
 
     def _enqueue_on(self, conn: Connection, intent: Intent) -> Operation:
         op_id, tenant, ordering_key, args = self._validate(intent)
+        return self._insert_checked(conn, op_id, tenant, ordering_key, args)
+
+    def _new_operation(
+        self, pk: int, *, op_id: str, tenant: str, ordering_key: str | None, args: Any, now: int
+    ) -> Operation:
+        return Operation(
+            pk=pk,
+            tenant=tenant,
+            operation_id=op_id,
+            endpoint=args.endpoint,
+            method=args.method,
+            path=args.path,
+            headers=dict(args.headers),
+            body=json.loads(args.body_json) if args.body_json is not None else None,
+            state=State.PENDING,
+            reason=None,
+            ordering_key=ordering_key,
+            attempts_counted=0,
+            attempts_total=0,
+            created_at_ms=now,
+            updated_at_ms=now,
+            next_attempt_at_ms=now,
+            first_attempt_at_ms=None,
+            window_started_at_ms=None,
+            version=0,
+        )
+
+    def _insert_checked(
+        self, conn: Connection, op_id: str, tenant: str, ordering_key: str | None, args: Any
+    ) -> Operation:
         now = self.clock.now_ms()
         inserted = self.store.insert_operation(
             conn,
@@ -233,26 +299,13 @@ class Outbox:
             now_ms=now,
         )
         if inserted.created:
-            return Operation(
-                pk=inserted.pk,
+            return self._new_operation(
+                inserted.pk,
+                op_id=op_id,
                 tenant=tenant,
-                operation_id=op_id,
-                endpoint=args.endpoint,
-                method=args.method,
-                path=args.path,
-                headers=dict(args.headers),
-                body=json.loads(args.body_json) if args.body_json is not None else None,
-                state=State.PENDING,
-                reason=None,
                 ordering_key=ordering_key,
-                attempts_counted=0,
-                attempts_total=0,
-                created_at_ms=now,
-                updated_at_ms=now,
-                next_attempt_at_ms=now,
-                first_attempt_at_ms=None,
-                window_started_at_ms=None,
-                version=0,
+                args=args,
+                now=now,
             )
         if inserted.args_sha256 != args.args_sha256:
             raise OperationConflict(

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     Row,
+    bindparam,
     delete,
     exists,
     func,
@@ -86,6 +87,13 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._read_engine = engine.execution_options(outbox_read_only=True)
+        # Built once, run with parameters: building an INSERT with literal .values() costs
+        # SQLAlchemy more than the database spends on it (each value coerced and hashed
+        # into a cache key, on every call).
+        self._insert_one = self._insert_ignoring_duplicate().returning(o.c.id)
+        self._insert_many = self._insert_ignoring_duplicate().returning(
+            o.c.id, o.c.tenant, o.c.operation_id
+        )
 
     # -- transactions -------------------------------------------------------------
 
@@ -109,7 +117,8 @@ class Store:
 
     # -- enqueue ------------------------------------------------------------------
 
-    def _insert_ignoring_duplicate(self, values: dict[str, Any]) -> Any:
+    def _insert_ignoring_duplicate(self) -> Any:
+        """INSERT INTO operations ... ON CONFLICT (tenant, operation_id) DO NOTHING."""
         raise NotImplementedError
 
     def insert_operation(
@@ -127,28 +136,15 @@ class Store:
         Atomic under concurrency: the unique (tenant, operation_id) constraint decides
         the winner; the loser reads the winner's row and writes nothing.
         """
-        values = {
-            "tenant": tenant,
-            "operation_id": operation_id,
-            "endpoint": args.endpoint,
-            "method": args.method,
-            "path": args.path,
-            "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
-            "body": args.body_json,
-            "args_sha256": args.args_sha256,
-            "ordering_key": ordering_key,
-            "state": State.PENDING.value,
-            "attempts_counted": 0,
-            "attempts_total": 0,
-            "maybe_delivered": False,
-            "saw_refusal": False,
-            "next_attempt_at": now_ms,
-            "version": 0,
-            "created_at": now_ms,
-            "updated_at": now_ms,
-        }
+        values = operation_row(
+            tenant=tenant,
+            operation_id=operation_id,
+            args=args,
+            ordering_key=ordering_key,
+            now_ms=now_ms,
+        )
         try:
-            pk = conn.execute(self._insert_ignoring_duplicate(values)).scalar()
+            pk = conn.execute(self._insert_one, values).scalar()
             if pk is not None:
                 return InsertResult(pk=pk, created=True, args_sha256=args.args_sha256)
             row = conn.execute(
@@ -159,6 +155,19 @@ class Store:
         except DBAPIError as exc:
             raise NotStoredError(f"the operation was not stored: {exc.orig}") from exc
         return InsertResult(pk=row.id, created=False, args_sha256=row.args_sha256)
+
+    def insert_operations(
+        self, conn: Connection, rows: Sequence[dict[str, Any]]
+    ) -> dict[tuple[str, str], int]:
+        """Insert many rows (see :func:`operation_row`) in one statement, skipping keys
+        already stored; returns {(tenant, operation_id): pk} of the rows inserted."""
+        if not rows:
+            return {}
+        try:
+            result = conn.execute(self._insert_many, list(rows))
+            return {(r.tenant, r.operation_id): r.id for r in result}
+        except DBAPIError as exc:
+            raise NotStoredError(f"the operations were not stored: {exc.orig}") from exc
 
     # -- reads --------------------------------------------------------------------
 
@@ -401,59 +410,69 @@ class Store:
         """Write attempt outcomes and transitions; returns the operations written.
 
         Each write is fenced on the lease token: if another dispatcher has taken the
-        operation over, neither the attempt nor the operation changes.
+        operation over, neither the attempt nor the operation changes. One transaction
+        per batch: a fencing read (row-locked on PostgreSQL, and the write lock is already
+        held on SQLite), then one prepared UPDATE per kind of transition, executed for all
+        of its rows at once.
         """
-        written: set[int] = set()
+        if not outcomes:
+            return set()
         with self.write() as conn:
-            for out in outcomes:
-                values: dict[str, Any] = {
-                    "state": out.state.value,
-                    "reason": out.reason.value if out.reason else None,
-                    "next_attempt_at": out.next_attempt_at,
-                    "lease_token": None,
-                    "lease_owner": None,
-                    "lease_until": None,
-                    "maybe_delivered": out.maybe_delivered,
-                    "saw_refusal": out.saw_refusal,
-                    "updated_at": now_ms,
-                }
-                if not out.counted:
-                    values["attempts_counted"] = o.c.attempts_counted - 1
-                if out.state.is_settled:
-                    values["finished_at"] = now_ms
-                if out.result is not None:
-                    values.update(
-                        result_status=out.result.status,
-                        result_headers=out.result.headers_json,
-                        result_body=out.result.body,
-                        result_sha256=out.result.sha256,
-                        result_size=out.result.size,
-                        result_truncated=out.result.truncated,
-                    )
-                changed = conn.execute(
-                    update(o)
-                    .where(o.c.id == out.pk, o.c.lease_token == out.lease_token)
-                    .values(values)
-                ).rowcount
-                if changed != 1:
-                    continue
+            held = dict(
                 conn.execute(
-                    update(a)
-                    .where(a.c.request_id == out.request_id, a.c.delivery.is_(None))
-                    .values(
-                        delivery=out.delivery.value,
-                        verdict=out.verdict.value if out.verdict else None,
-                        counted=out.counted,
-                        status_code=out.status_code,
-                        receiver_request_id=out.receiver_request_id,
-                        error_class=out.error_class,
-                        error_message=out.error_message,
-                        duration_ms=out.duration_ms,
-                        finished_at=now_ms,
+                    select(o.c.id, o.c.lease_token)
+                    .where(o.c.id.in_([out.pk for out in outcomes]))
+                    .order_by(o.c.id)
+                    .with_for_update()
+                ).all()
+            )
+            mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
+            if not mine:
+                return set()
+            groups: dict[tuple[bool, bool, bool], list[dict[str, Any]]] = {}
+            for out in mine:
+                params: dict[str, Any] = {
+                    "b_pk": out.pk,
+                    "b_token": out.lease_token,
+                    "b_state": out.state.value,
+                    "b_reason": out.reason.value if out.reason else None,
+                    "b_next": out.next_attempt_at,
+                    "b_maybe": out.maybe_delivered,
+                    "b_refusal": out.saw_refusal,
+                    "b_now": now_ms,
+                }
+                if out.result is not None:
+                    params.update(
+                        b_rstatus=out.result.status,
+                        b_rheaders=out.result.headers_json,
+                        b_rbody=out.result.body,
+                        b_rsha=out.result.sha256,
+                        b_rsize=out.result.size,
+                        b_rtrunc=out.result.truncated,
                     )
-                )
-                written.add(out.pk)
-        return written
+                shape = (out.counted, out.state.is_settled, out.result is not None)
+                groups.setdefault(shape, []).append(params)
+            for shape, rows in groups.items():
+                conn.execute(_outcome_update(*shape), rows)
+            conn.execute(
+                _ATTEMPT_OUTCOME,
+                [
+                    {
+                        "b_rid": out.request_id,
+                        "b_delivery": out.delivery.value,
+                        "b_verdict": out.verdict.value if out.verdict else None,
+                        "b_counted": out.counted,
+                        "b_status": out.status_code,
+                        "b_rrid": out.receiver_request_id,
+                        "b_eclass": out.error_class,
+                        "b_emsg": out.error_message,
+                        "b_duration": out.duration_ms,
+                        "b_now": now_ms,
+                    }
+                    for out in mine
+                ],
+            )
+        return {out.pk for out in mine}
 
     def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
         """Move claimed operations to a state without sending (e.g. window closed)."""
@@ -666,6 +685,94 @@ class Store:
             )
 
 
+_OUTCOME_UPDATES: dict[tuple[bool, bool, bool], Any] = {}
+
+
+def _outcome_update(counted: bool, settled: bool, has_result: bool) -> Any:
+    """The prepared, fenced UPDATE of an operation for one kind of attempt outcome.
+
+    Built once per kind and executed with parameters: building a statement with literal
+    ``.values()`` per row costs SQLAlchemy more than the database spends running it.
+    """
+    key = (counted, settled, has_result)
+    stmt = _OUTCOME_UPDATES.get(key)
+    if stmt is None:
+        values: dict[str, Any] = {
+            "state": bindparam("b_state"),
+            "reason": bindparam("b_reason"),
+            "next_attempt_at": bindparam("b_next"),
+            "lease_token": None,
+            "lease_owner": None,
+            "lease_until": None,
+            "maybe_delivered": bindparam("b_maybe"),
+            "saw_refusal": bindparam("b_refusal"),
+            "updated_at": bindparam("b_now"),
+        }
+        if not counted:
+            values["attempts_counted"] = o.c.attempts_counted - 1
+        if settled:
+            values["finished_at"] = bindparam("b_now")
+        if has_result:
+            values.update(
+                result_status=bindparam("b_rstatus"),
+                result_headers=bindparam("b_rheaders"),
+                result_body=bindparam("b_rbody"),
+                result_sha256=bindparam("b_rsha"),
+                result_size=bindparam("b_rsize"),
+                result_truncated=bindparam("b_rtrunc"),
+            )
+        stmt = (
+            update(o)
+            .where(o.c.id == bindparam("b_pk"), o.c.lease_token == bindparam("b_token"))
+            .values(values)
+        )
+        _OUTCOME_UPDATES[key] = stmt
+    return stmt
+
+
+_ATTEMPT_OUTCOME = (
+    update(a)
+    .where(a.c.request_id == bindparam("b_rid"), a.c.delivery.is_(None))
+    .values(
+        delivery=bindparam("b_delivery"),
+        verdict=bindparam("b_verdict"),
+        counted=bindparam("b_counted"),
+        status_code=bindparam("b_status"),
+        receiver_request_id=bindparam("b_rrid"),
+        error_class=bindparam("b_eclass"),
+        error_message=bindparam("b_emsg"),
+        duration_ms=bindparam("b_duration"),
+        finished_at=bindparam("b_now"),
+    )
+)
+
+
+def operation_row(
+    *, tenant: str, operation_id: str, args: CanonicalArgs, ordering_key: str | None, now_ms: int
+) -> dict[str, Any]:
+    """The row of a new pending operation."""
+    return {
+        "tenant": tenant,
+        "operation_id": operation_id,
+        "endpoint": args.endpoint,
+        "method": args.method,
+        "path": args.path,
+        "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
+        "body": args.body_json,
+        "args_sha256": args.args_sha256,
+        "ordering_key": ordering_key,
+        "state": State.PENDING.value,
+        "attempts_counted": 0,
+        "attempts_total": 0,
+        "maybe_delivered": False,
+        "saw_refusal": False,
+        "next_attempt_at": now_ms,
+        "version": 0,
+        "created_at": now_ms,
+        "updated_at": now_ms,
+    }
+
+
 def _replace_flag(c: Claimed) -> Claimed:
     from dataclasses import replace
 
@@ -728,4 +835,4 @@ def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
     )
 
 
-__all__ = ["DUE", "AuditRecord", "InsertResult", "Store"]
+__all__ = ["DUE", "AuditRecord", "InsertResult", "Store", "operation_row"]

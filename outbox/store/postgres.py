@@ -20,13 +20,8 @@ from outbox.store.tables import operations as o
 class PostgresStore(Store):
     dialect = "postgresql"
 
-    def _insert_ignoring_duplicate(self, values: dict[str, Any]) -> Any:
-        return (
-            pg_insert(o)
-            .values(values)
-            .on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
-            .returning(o.c.id)
-        )
+    def _insert_ignoring_duplicate(self) -> Any:
+        return pg_insert(o).on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
 
     def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
         due = (

@@ -1,0 +1,127 @@
+"""The dispatcher on the raw clients' job: drain N pending operations to the receiver.
+
+Throughput is timed from the dispatcher's start to the moment its own summary counts N
+settled operations (no polling of the database), then checked against the outbox's
+state counts and the receiver's effect table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import endpoint, payload
+
+
+def make_outbox(db_url: str, rx_url: str, concurrency: int, transport: Any = None) -> Any:
+    from outbox import Outbox
+
+    return Outbox(
+        db_url,
+        endpoints=[endpoint(rx_url, concurrency=concurrency)],
+        transport_factory=transport,
+    )
+
+
+def load(ob: Any, n: int, prefix: str, *, chunk: int = 1000) -> None:
+    """Enqueue N operations quickly (enqueue_many in chunks); not part of any timing."""
+    from outbox import Intent
+
+    for start in range(0, n, chunk):
+        ob.enqueue_many(
+            [
+                Intent(
+                    endpoint="rx",
+                    method="POST",
+                    path="/orders",
+                    json=payload(i),
+                    operation_id=f"{prefix}{i}",
+                )
+                for i in range(start, min(n, start + chunk))
+            ]
+        )
+
+
+async def drain(
+    ob: Any,
+    n: int,
+    concurrency: int,
+    *,
+    on_tick: Callable[[], None] | None = None,
+    max_seconds: float | None = None,
+) -> tuple[float, Any]:
+    """Run the dispatcher until N operations settled; (seconds, summary)."""
+    from outbox import DispatcherSettings
+
+    settings = DispatcherSettings(concurrency=concurrency)
+    dispatcher = ob.dispatcher(settings)
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        s = dispatcher.summary
+        deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+        while s.succeeded + s.failed + s.unresolved < n:
+            if on_tick is not None:
+                on_tick()
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        stop.set()
+
+    start = time.perf_counter()
+    watcher = asyncio.create_task(watch())
+    summary = await dispatcher.run(stop)
+    seconds = time.perf_counter() - start
+    await watcher
+    return seconds, summary
+
+
+def run_dispatch(db_url: str, rx_url: str, n: int, concurrency: int, transport: Any) -> float:
+    """ops/s of the dispatcher draining N fresh operations."""
+    ob = make_outbox(db_url, rx_url, concurrency, transport)
+    try:
+        prefix = f"disp-{uuid.uuid4().hex[:8]}-"
+        load(ob, n, prefix)
+        seconds, summary = asyncio.run(drain(ob, n, concurrency))
+        if summary.succeeded != n:
+            raise RuntimeError(f"dispatcher: {summary.as_dict()} (expected {n} succeeded)")
+    finally:
+        ob.close()
+    return n / seconds
+
+
+def run_end_to_end(
+    db_url: str, rx_url: str, n: int, concurrency: int, transport: Any
+) -> dict[str, float]:
+    """Enqueue N operations, each in its own transaction, then dispatch them all."""
+    ob = make_outbox(db_url, rx_url, concurrency, transport)
+    try:
+        prefix = f"e2e-{uuid.uuid4().hex[:8]}-"
+        start = time.perf_counter()
+        for i in range(n):
+            ob.enqueue(
+                endpoint="rx",
+                method="POST",
+                path="/orders",
+                json=payload(i),
+                operation_id=f"{prefix}{i}",
+            )
+        enqueue_s = time.perf_counter() - start
+        dispatch_s, summary = asyncio.run(drain(ob, n, concurrency))
+        if summary.succeeded != n:
+            raise RuntimeError(f"end to end: {summary.as_dict()} (expected {n} succeeded)")
+    finally:
+        ob.close()
+    total = enqueue_s + dispatch_s
+    return {
+        "ops_per_s": n / total,
+        "enqueue_ops_per_s": n / enqueue_s,
+        "dispatch_ops_per_s": n / dispatch_s,
+    }
+
+
+def new_prefix(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}-"
