@@ -75,104 +75,11 @@ def aiohttp_safe(endpoint: Any) -> httpx.AsyncBaseTransport:
     return AiohttpTransport(limits=_limits(endpoint), client=lambda: _safe_session(n))
 
 
-def _httpx_error(exc: BaseException, request: httpx.Request) -> httpx.TransportError | None:
-    """The httpx error httpx's own transport raises for this aiohttp error, if any."""
-    import aiohttp
-
-    message = str(exc) or type(exc).__name__
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return httpx.ConnectError(message, request=request)  # nothing was sent
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return httpx.ConnectTimeout(message, request=request)
-    if isinstance(exc, aiohttp.SocketTimeoutError | aiohttp.ServerTimeoutError):
-        return httpx.ReadTimeout(message, request=request)
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return httpx.RemoteProtocolError(message, request=request)
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return httpx.RemoteProtocolError(message, request=request)
-    if isinstance(exc, aiohttp.ClientError | OSError):
-        return httpx.ReadError(message, request=request)
-    return None
-
-
-class _AiohttpStream(httpx.AsyncByteStream):
-    def __init__(self, response: Any, request: httpx.Request) -> None:
-        self._response = response
-        self._request = request
-
-    async def __aiter__(self) -> Any:
-        try:
-            async for chunk in self._response.content.iter_chunked(64 * 1024):
-                yield chunk
-        except Exception as exc:
-            mapped = _httpx_error(exc, self._request)
-            if mapped is None:
-                raise
-            raise mapped from exc
-
-    async def aclose(self) -> None:
-        self._response.release()
-
-
-class AiohttpOutboxTransport(httpx.AsyncBaseTransport):
-    """httpx requests over one aiohttp session: pooled, never resending on its own."""
-
-    def __init__(self, max_connections: int = 100, *, ssl: Any = True) -> None:
-        self._max = max_connections
-        self._ssl = ssl
-        self._session: Any = None
-
-    def _new_session(self) -> Any:
-
-        return _safe_session(self._max)
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        import aiohttp
-        from yarl import URL
-
-        if self._session is None:
-            self._session = self._new_session()
-        timeout = request.extensions.get("timeout", {})
-        body = await request.aread()
-        try:
-            response = await self._session.request(
-                request.method,
-                URL(str(request.url), encoded=True),  # the bytes httpx built, not re-quoted
-                headers=request.headers,
-                data=body or None,
-                allow_redirects=False,
-                compress=None,
-                ssl=self._ssl,
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    sock_connect=timeout.get("connect"),
-                    sock_read=timeout.get("read"),
-                ),
-            )
-        except Exception as exc:
-            mapped = _httpx_error(exc, request)
-            if mapped is None:
-                raise
-            raise mapped from exc
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=_AiohttpStream(response, request),
-            request=request,
-            extensions={
-                "http_version": b"HTTP/1.1",
-                "reason_phrase": (response.reason or "").encode(),
-            },
-        )
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 def aiohttp_outbox(endpoint: Any) -> httpx.AsyncBaseTransport:
-    return AiohttpOutboxTransport(int(getattr(endpoint, "max_connections", 100)))
+    """The transport outbox ships (measured here as a candidate before it was chosen)."""
+    from outbox.transport import AiohttpTransport
+
+    return AiohttpTransport(int(getattr(endpoint, "max_connections", 100)))
 
 
 class ThreadPoolTransport(httpx.AsyncBaseTransport):
