@@ -1,13 +1,14 @@
 """The transport candidates under httpx's API, as ``transport_factory(endpoint)`` callables.
 
 * ``httpx_default``: httpx's own async pool (httpcore), retries off, limits sized to the
-  endpoint. This is what ``outbox.transport.build_client`` uses when no factory is given.
+  endpoint: what outbox used before ``aiohttp_outbox`` was chosen.
 * ``aiohttp_stock``: httpx-aiohttp's ``AiohttpTransport()`` as it comes.
 * ``aiohttp_safe``: the same transport over an aiohttp session built for the outbox: a
   connector sized to the endpoint, and aiohttp's silent one-shot resend of PUT/DELETE on a
   dropped keep-alive connection switched off (the outbox's rule: the transport never
   retries on its own; every resend is a recorded attempt with a fresh request ID).
-* ``aiohttp_outbox``: a small transport of our own over an aiohttp session built the same
+* ``aiohttp_outbox``: ``outbox.transport.AiohttpTransport``, the default the library ships
+  (chosen by these measurements): a small transport over an aiohttp session built the same
   way as ``aiohttp_safe``, without httpx-aiohttp's two other surprises: its exception
   mapping names a refused connection ``ConnectTimeout`` and a dropped one
   ``ConnectTimeout`` too (the attempt log's error class would mislead an operator), and
