@@ -28,7 +28,6 @@ import asyncio
 import os
 import random
 import signal
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -151,11 +150,3 @@ async def hit(name: str) -> None:
         await asyncio.sleep(point.seconds)
     elif point.callback is not None:
         await point.callback(name)
-
-
-def hit_sync(name: str) -> None:
-    if not _ACTIVE:
-        return
-    point = _fire(name)
-    if point is not None and point.action == "pause":
-        time.sleep(point.seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -224,12 +224,6 @@ class Store:
     def preflight(self) -> None:
         """Checks before a dispatcher starts (the SQLite store checks its file)."""
 
-    def count_operations(self) -> int:
-        with self.read() as conn:
-            return int(conn.execute(select(func.count()).select_from(o)).scalar_one())
-
-    # -- dispatch -----------------------------------------------------------------
-
     def _due_ids(self, now_ms: int, limit: int) -> Any:
         """SELECT of the ids a claim may take, oldest due first."""
         earlier = o.alias("earlier")
@@ -313,7 +307,7 @@ class Store:
             recovered = self._close_open_attempts(conn, [c.pk for c in claimed], now_ms)
         if recovered:
             flagged = {r.pk for r in recovered}
-            claimed = [_replace_flag(c) if c.pk in flagged else c for c in claimed]
+            claimed = [replace(c, maybe_delivered=True) if c.pk in flagged else c for c in claimed]
         return claimed, recovered
 
     def _close_open_attempts(
@@ -655,19 +649,6 @@ class Store:
                 ).scalar_one()
             )
 
-    def open_key_ages(self) -> list[tuple[str, int]]:
-        """(endpoint, earliest first attempt) of operations whose key is still in play."""
-        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
-        with self.read() as conn:
-            return [
-                (r.endpoint, r.first)
-                for r in conn.execute(
-                    select(o.c.endpoint, func.min(o.c.first_attempt_at).label("first"))
-                    .where(o.c.state.in_(live), o.c.first_attempt_at.is_not(None))
-                    .group_by(o.c.endpoint)
-                )
-            ]
-
     def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
         live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
         with self.read() as conn:
@@ -772,11 +753,6 @@ def operation_row(
         "updated_at": now_ms,
     }
 
-
-def _replace_flag(c: Claimed) -> Claimed:
-    from dataclasses import replace
-
-    return replace(c, maybe_delivered=True)
 
 
 def _attempt(r: Row[Any]) -> Attempt:
