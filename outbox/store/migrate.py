@@ -10,7 +10,7 @@ from outbox.errors import SchemaError
 
 VERSION_TABLE = "outbox_alembic_version"
 #: The newest revision this code expects.
-HEAD = "0001"
+HEAD = "0002"
 
 
 def migrations_dir() -> Path:

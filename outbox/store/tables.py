@@ -75,6 +75,19 @@ operations = Table(
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     Column("finished_at", BigInteger, nullable=True),
+    # 409 "still processing" answers: their own budget, apart from max_attempts.
+    Column("attempts_in_progress", Integer, nullable=False, server_default="0"),
+    # Why no dispatcher can send it now (say, an endpoint none registered). NULL: none.
+    Column("last_error", Text, nullable=True),
+    # The retry policy the operation lives under, snapshotted at enqueue (or at its
+    # first claim for older rows), so operator tools need no application. NULL: unknown.
+    Column("policy_window_ms", BigInteger, nullable=True),
+    Column("policy_key_retention_ms", BigInteger, nullable=True),
+    Column("policy_margin_ms", BigInteger, nullable=True),
+    Column("policy_max_attempts", Integer, nullable=True),
+    Column("policy_in_progress_budget", Integer, nullable=True),
+    # W3C trace context active when the operation was enqueued (tracing on only).
+    Column("traceparent", String(55), nullable=True),
     UniqueConstraint("tenant", "operation_id"),
 )
 
@@ -147,3 +160,19 @@ audit = Table(
     Column("at", BigInteger, nullable=False),
 )
 Index("ix_outbox_audit_operation", audit.c.tenant, audit.c.operation_id)
+
+# Heartbeats: every running dispatcher writes its row every few seconds.
+dispatchers = Table(
+    "outbox_dispatchers",
+    metadata,
+    Column("id", String(255), primary_key=True),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("version", String(64), nullable=False),
+    Column("concurrency", Integer, nullable=False),
+    Column("in_flight", Integer, nullable=False, server_default="0"),
+    Column("started_at", BigInteger, nullable=False),
+    Column("last_seen_at", BigInteger, nullable=False),
+    Column("stopped_at", BigInteger, nullable=True),
+)
+Index("ix_outbox_dispatchers_last_seen_at", dispatchers.c.last_seen_at)

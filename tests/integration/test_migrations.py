@@ -17,7 +17,12 @@ from outbox.store.engine import create_engine
 from outbox.store.migrate import HEAD, VERSION_TABLE, current_revision, downgrade, upgrade
 from outbox.store.tables import metadata
 
-OUTBOX_TABLES = {"outbox_operations", "outbox_attempts", "outbox_audit"}
+OUTBOX_TABLES = {
+    "outbox_operations",
+    "outbox_attempts",
+    "outbox_audit",
+    "outbox_dispatchers",
+}
 HOST_REVISION = "host_app_rev_42"
 
 
