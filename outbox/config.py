@@ -52,10 +52,17 @@ class RetryPolicy:
     window: timedelta = timedelta(hours=1)
     #: Backoff between attempts (default: exponential with full jitter, capped at 60 s).
     wait: WaitStrategy = field(default_factory=_default_wait)
+    #: "Still processing" answers (409 in progress) tolerated before the operation goes
+    #: to reconciliation. They do not spend ``max_attempts``; this is their own budget.
+    in_progress_budget: int = 10
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.in_progress_budget < 0:
+            raise ConfigurationError(
+                f"in_progress_budget must be 0 or more, got {self.in_progress_budget}"
+            )
         if self.window <= timedelta(0):
             raise ConfigurationError(f"window must be positive, got {self.window}")
         if not callable(self.wait):
