@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+:
 #   make demo   the main job: a guided run against a local receiver on embedded SQLite
-#   make test   lint, type-check and the whole test suite (SQLite and PostgreSQL)
+#   make test   lint, type-check and the test suite (SQLite and PostgreSQL); make soak: the soaks
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -22,8 +22,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The everyday tier: unit, integration, acceptance, faults, security (a few minutes).
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
+
+# The randomized fault soaks and the planted-bug runs (several minutes more). A run
+# prints its seed; OUTBOX_SOAK_SEED=N replays it.
+soak: install
+	$(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

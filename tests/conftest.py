@@ -22,6 +22,33 @@ POSTGRES_URL = os.environ.get(
 )
 _pg_error: str | None = None
 _pg_checked = False
+_current: pytest.Item | None = None
+
+
+def _uses_postgres(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    return (
+        "pg_url" in getattr(item, "fixturenames", ())
+        or any(value == "postgres" for value in params)
+        or "postgres" in item.name.lower()
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that can reach PostgreSQL carries the ``postgres`` marker, so
+    ``-m "not postgres"`` means what it says (``require_postgres`` enforces it)."""
+    for item in items:
+        if _uses_postgres(item) and item.get_closest_marker("postgres") is None:
+            item.add_marker(pytest.mark.postgres)
+
+
+@pytest.fixture(autouse=True)
+def _track_current_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    global _current  # noqa: PLW0603
+    _current = request.node
+    yield
+    _current = None
 
 
 def postgres_unavailable() -> str | None:
@@ -39,6 +66,11 @@ def postgres_unavailable() -> str | None:
 
 
 def require_postgres() -> None:
+    if _current is not None and _current.get_closest_marker("postgres") is None:
+        pytest.fail(
+            f"{_current.nodeid} reaches PostgreSQL but is not marked: add "
+            "@pytest.mark.postgres (or a 'postgres' parameter) so -m 'not postgres' holds"
+        )
     reason = postgres_unavailable()
     if reason is None:
         return

@@ -45,7 +45,7 @@ from outbox.client import Outbox
 from outbox.errors import OperationConflict, StoreError
 from outbox.store.engine import create_engine, sqlite_path
 from outbox.store.migrate import upgrade
-from outbox.store.tables import operations
+from outbox.store.tables import attempts, operations
 from outbox.testing.receiver import RandomFaults, Receiver, RemoteReceiver
 from tests.soak import app as soak_app
 from tests.soak import oracle
@@ -104,6 +104,9 @@ class SoakSettings:
     epsilon_ms: int = 1000
     #: A planted bug for every dispatcher (``tests.soak.planted``), or None.
     plant: str | None = None
+    #: Instead of random chaos, the scripted stale-owner race at this failpoint
+    #: (``after_attempt_commit`` or ``after_response``): see ``Soak._stale_owner``.
+    script: str | None = None
 
     @property
     def pause_seconds(self) -> float:
@@ -298,10 +301,10 @@ class Soak:
 
     # -- processes --------------------------------------------------------------------
 
-    def _spawn(self, *, chaos: bool) -> _Dispatcher:
+    def _spawn(self, *, chaos: bool, failpoint_spec: str = "") -> _Dispatcher:
         index = self.starts
         self.starts += 1
-        fps = ""
+        fps = failpoint_spec
         if chaos and self.rng.random() < self.s.p_failpoints:
             k = min(len(self.s.failpoint_menu), self.rng.choice((1, 1, 2)))
             picked = self.rng.sample(self.s.failpoint_menu, k)
@@ -387,6 +390,40 @@ class Soak:
                 ).scalar_one()
             )
 
+    def _count_open_attempts(self, ob: Outbox) -> int:
+        with ob.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).select_from(attempts).where(attempts.c.delivery.is_(None))
+                ).scalar_one()
+            )
+
+    def _stale_owner(self, ob: Outbox, producer: Producer, stop: threading.Event) -> None:
+        """The race behind the lease and fencing rules, driven in order, not by chance.
+
+        Everything is enqueued first. Dispatcher A claims the whole batch and holds every
+        attempt at ``script``'s failpoint far past its lease. Only once all of A's
+        attempts are open does B start: it takes the expired leases over and settles
+        every operation. Then A is stopped gracefully, which lets its held attempts run
+        to their end before it exits: whatever A does after its lease (send, write) is
+        bound to happen, and to happen after B's outcome.
+        """
+        producer.join(timeout=60)
+        stop.set()
+        point, hold = self.s.script, self.s.lease_seconds + 8.0
+        a = self._spawn(chaos=False, failpoint_spec=f"{point}=pause:{hold}")
+        deadline = time.monotonic() + 60
+        while self._count_open_attempts(ob) < len(producer.acknowledged):
+            if time.monotonic() > deadline or a.process.poll() is not None:
+                raise RuntimeError("dispatcher A never held the whole batch")
+            time.sleep(0.05)
+        b = self._spawn(chaos=False)
+        deadline = time.monotonic() + 60
+        while self._count_live(ob) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._stop_gracefully(b)
+        self._stop_gracefully(a, timeout=hold + 30)
+
     def run(self) -> SoakResult:
         started = time.monotonic()
         s = self.s
@@ -432,11 +469,13 @@ class Soak:
             plan = plan_operations(s, self.rng)
             producer = Producer(ob, plan, s.enqueue_rate, stop)
             producer.start()
+            if s.script is not None:
+                self._stale_owner(ob, producer, stop)
 
             # Chaos.
             t0 = time.monotonic()
             target = 1
-            while True:
+            while s.script is None:
                 now = time.monotonic()
                 for d in list(self.dispatchers):
                     if d.process.poll() is not None:
@@ -463,7 +502,7 @@ class Soak:
 
             # Drain: no dispatcher faults, until nothing is pending or in flight.
             t1 = time.monotonic()
-            drainers = [self._spawn(chaos=False) for _ in range(2)]
+            drainers = [self._spawn(chaos=False) for _ in range(2) if self._count_live(ob)]
             while time.monotonic() - t1 < s.drain_seconds:
                 drain_left = self._count_live(ob)
                 if drain_left == 0:
