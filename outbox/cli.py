@@ -541,6 +541,89 @@ def demo(obj: Context, directory: str | None) -> None:
     run_guarded(lambda: run_demo(directory, out))
 
 
+@main.command("console")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@click.option(
+    "--allow-remote",
+    is_flag=True,
+    help="Allow a non-loopback --host (needs --token-file or OUTBOX_CONSOLE_TOKEN).",
+)
+@click.option(
+    "--token-file",
+    default=None,
+    help="Sign-in tokens, one per line: TOKEN or NAME:TOKEN (else OUTBOX_CONSOLE_TOKEN, "
+    "else one is generated and printed once).",
+)
+@click.option(
+    "--operator",
+    default=None,
+    help="The name audited for a token given without one (default: the OS user).",
+)
+@click.option("--read-only", is_flag=True, help="Show everything, change nothing.")
+@click.pass_obj
+def console_command(
+    obj: Context,
+    host: str,
+    port: int,
+    allow_remote: bool,
+    token_file: str | None,
+    operator: str | None,
+    read_only: bool,
+) -> None:
+    """A web console for the reconciliation queue (needs the `console` extra).
+
+    Every action goes through the same library calls as the commands here and is
+    audited under the name tied to the sign-in token. Binds 127.0.0.1 by default.
+    """
+
+    def go() -> None:
+        try:
+            from outbox.console.auth import Credentials
+            from outbox.console.server import check_bind, serve
+        except ImportError as exc:
+            raise click.UsageError(
+                f"outbox console needs the console extra: pip install 'outbox[console]' ({exc})"
+            ) from exc
+        from outbox.reconcile import default_operator
+
+        name = operator or default_operator()
+        credentials = Credentials.configured(token_file=token_file, default_name=name)
+        check_bind(host, allow_remote=allow_remote, credentials=credentials)
+        if obj.app is None:
+            obj._outbox = _existing_outbox(obj.db)
+        ob = obj.outbox()
+        serve(
+            ob,
+            host=host,
+            port=port,
+            credentials=credentials or Credentials.generate(name),
+            read_only=read_only,
+            echo=click.echo,
+        )
+
+    run_guarded(go)
+
+
+def _existing_outbox(db: str | None) -> Outbox:
+    """An Outbox on a database that must already hold the schema (never creates one)."""
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+
+    if not db:
+        raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL (or --app)")
+    try:
+        url = make_url(db)
+    except Exception as exc:
+        raise click.UsageError(f"--db is not a database URL: {exc}") from exc
+    database = url.database
+    is_file_db = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
+    if is_file_db and not Path(str(database)).is_file():
+        raise click.UsageError(f"no SQLite database at {database}")
+    return Outbox(db, auto_migrate=False)
+
+
 # -- receiver conformance check and status lookups ------------------------------------------
 
 

@@ -1,0 +1,345 @@
+"""Browsing an outbox, and operator actions guarded by the version the operator saw.
+
+The web console (``outbox console``) is a thin layer over this module and
+:class:`~outbox.reconcile.Reconciler`: filtered pages with totals, the audit log, the
+overview's aggregates, and :class:`GuardedReconciler`, which runs the Reconciler's own
+actions (every rule in one place) either only on the version of the operation that was
+shown to the operator, or as a dry run that checks every rule and writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from outbox.errors import ConcurrentModification, OperatorActionRefused, ValidationError
+from outbox.model import Action, Delivery, Operation, Reason, State, Verdict
+from outbox.reconcile import Reconciler, StatusReport, _check_actor, _check_note, default_operator
+from outbox.store import browse as sql
+from outbox.store.base import AuditRecord
+from outbox.store.browse import DispatcherRow
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+T = TypeVar("T")
+
+#: A dispatcher whose heartbeat is older than this is shown as not alive.
+DISPATCHER_STALE_AFTER = timedelta(seconds=60)
+MAX_PAGE = 500
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    items: list[T]
+    total: int
+    offset: int
+    limit: int
+
+    @property
+    def first(self) -> int:
+        """1-based index of the first item shown (0 when empty)."""
+        return self.offset + 1 if self.items else 0
+
+    @property
+    def last(self) -> int:
+        return self.offset + len(self.items)
+
+    @property
+    def has_previous(self) -> bool:
+        return self.offset > 0
+
+    @property
+    def has_next(self) -> bool:
+        return self.offset + len(self.items) < self.total
+
+
+@dataclass(frozen=True)
+class OperationFilter:
+    """What to list. ``older_than`` is the operation's age (since it was enqueued);
+    ``id_contains`` matches any part of the operation ID, literally."""
+
+    states: tuple[State, ...] = ()
+    reason: Reason | None = None
+    endpoint: str | None = None
+    tenant: str | None = None
+    older_than: timedelta | None = None
+    id_contains: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.id_contains is not None and len(self.id_contains) > 255:
+            raise ValidationError("the operation ID search is longer than 255 characters")
+        if self.older_than is not None and self.older_than < timedelta(0):
+            raise ValidationError("the age filter must not be negative")
+
+
+@dataclass(frozen=True)
+class Facets:
+    endpoints: list[str]
+    tenants: list[str]
+    actors: list[str]
+
+
+@dataclass(frozen=True)
+class EndpointBacklog:
+    endpoint: str
+    due: int
+    oldest_due_age_seconds: float
+
+
+@dataclass(frozen=True)
+class Overview:
+    status: StatusReport
+    due: list[EndpointBacklog]
+    #: Attempts started in the last hour by outcome (see :func:`outcome_label`).
+    attempts_last_hour: dict[str, int]
+    dispatchers: list[DispatcherRow]
+    dispatchers_alive: int
+    endpoints_registered: list[str]
+    now_ms: int
+
+
+def outcome_label(delivery: str | None, verdict: str | None) -> str:
+    """One word for an attempt's outcome, as the overview counts them."""
+    if delivery is None:
+        return "open"
+    if delivery == Delivery.NOT_SENT.value:
+        return "not_sent"
+    if delivery == Delivery.UNKNOWN.value:
+        return "unknown"
+    return verdict or Verdict.RETRY.value
+
+
+class Browser:
+    """Read-only views of an outbox, paged with totals."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.store = outbox.store
+
+    @staticmethod
+    def _check_page(limit: int, offset: int) -> None:
+        if not 1 <= limit <= MAX_PAGE or offset < 0:
+            raise ValidationError(f"limit must be 1-{MAX_PAGE} and offset >= 0")
+
+    def _query(self, flt: OperationFilter) -> sql.OperationQuery:
+        cutoff = None
+        if flt.older_than is not None:
+            cutoff = self.outbox.clock.now_ms() - int(flt.older_than.total_seconds() * 1000)
+        return sql.OperationQuery(
+            states=flt.states,
+            reason=flt.reason,
+            endpoint=flt.endpoint,
+            tenant=flt.tenant,
+            created_before_ms=cutoff,
+            id_contains=flt.id_contains or None,
+        )
+
+    def operations(
+        self,
+        flt: OperationFilter = OperationFilter(),
+        *,
+        newest_first: bool = False,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> Page[Operation]:
+        """Operations matching ``flt`` (without their attempts), oldest first by default."""
+        self._check_page(limit, offset)
+        items, total = sql.operations_page(
+            self.store, self._query(flt), newest_first=newest_first, limit=limit, offset=offset
+        )
+        return Page(items, total, offset, limit)
+
+    def audit_log(
+        self,
+        *,
+        actor: str | None = None,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
+        operation_id: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> Page[AuditRecord]:
+        """Every operator action, newest first."""
+        self._check_page(limit, offset)
+        items, total = sql.audit_page(
+            self.store,
+            sql.AuditQuery(actor, since_ms, until_ms, operation_id),
+            limit=limit,
+            offset=offset,
+        )
+        return Page(items, total, offset, limit)
+
+    def facets(self) -> Facets:
+        endpoints, tenants, actors = sql.distinct_values(self.store)
+        return Facets(endpoints, tenants, actors)
+
+    def overview(self) -> Overview:
+        now = self.outbox.clock.now_ms()
+        outcomes: dict[str, int] = {}
+        for delivery, verdict, n in sql.attempt_outcomes_since(self.store, now - 3_600_000):
+            label = outcome_label(delivery, verdict)
+            outcomes[label] = outcomes.get(label, 0) + n
+        rows = sql.dispatcher_rows(self.store)
+        stale = now - int(DISPATCHER_STALE_AFTER.total_seconds() * 1000)
+        return Overview(
+            status=Reconciler(self.outbox).status(),
+            due=[
+                EndpointBacklog(d.endpoint, d.due, max(0, now - d.oldest_due_ms) / 1000)
+                for d in sql.due_backlog(self.store, now)
+            ],
+            attempts_last_hour=dict(sorted(outcomes.items())),
+            dispatchers=rows,
+            dispatchers_alive=sum(
+                1 for r in rows if r.stopped_at_ms is None and r.last_seen_at_ms >= stale
+            ),
+            endpoints_registered=sorted(self.outbox.endpoints),
+            now_ms=now,
+        )
+
+
+class GuardedReconciler(Reconciler):
+    """The Reconciler's actions, guarded by the version the operator saw, or dry.
+
+    ``expected_version``: the action is refused with :class:`ConcurrentModification`
+    unless the operation is still at that version when it is read, and the write itself
+    is conditional on the same version (as every Reconciler action is). ``dry_run``:
+    every check runs (state, requeue risk, note, operator) and nothing is written; the
+    operation returned is the one that would result.
+    """
+
+    def __init__(
+        self, outbox: Outbox, *, expected_version: int | None = None, dry_run: bool = False
+    ) -> None:
+        super().__init__(outbox)
+        self._expected = expected_version
+        self.dry_run = dry_run
+
+    def _load(self, operation_id: str, tenant: str) -> Operation:
+        op = super()._load(operation_id, tenant)
+        expected, self._expected = self._expected, None  # only the first read is checked
+        if expected is not None and op.version != expected:
+            raise ConcurrentModification(
+                f"operation {operation_id!r} changed since it was shown (version "
+                f"{expected}, now {op.version}: {op.state.value}); nothing was written"
+            )
+        return op
+
+    def _act(
+        self,
+        op: Operation,
+        *,
+        action: Action,
+        to_state: State,
+        values: dict[str, Any],
+        note: str,
+        operator: str | None,
+        details: dict[str, Any] | None = None,
+    ) -> Operation:
+        if not self.dry_run:
+            return super()._act(
+                op,
+                action=action,
+                to_state=to_state,
+                values=values,
+                note=note,
+                operator=operator,
+                details=details,
+            )
+        _check_note(note)
+        _check_actor(operator or default_operator())
+        return dataclasses.replace(
+            op, state=to_state, reason=None if to_state is not State.UNRESOLVED else op.reason
+        )
+
+
+@dataclass(frozen=True)
+class BulkItem:
+    tenant: str
+    operation_id: str
+    version: int
+    #: "would apply" / "applied" / "refused" / "conflict"
+    result: str
+    detail: str
+    state_after: str | None = None
+
+
+@dataclass(frozen=True)
+class BulkReport:
+    action: str
+    dry_run: bool
+    items: list[BulkItem] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for item in self.items:
+            out[item.result] = out.get(item.result, 0) + 1
+        return out
+
+
+BULK_ACTIONS = ("resolve", "requeue", "cancel")
+
+
+def bulk_action(
+    outbox: Outbox,
+    targets: list[tuple[str, str, int]],
+    *,
+    action: str,
+    note: str,
+    operator: str,
+    outcome: str | None = None,
+    accept_duplicate_risk: bool = False,
+    dry_run: bool,
+) -> BulkReport:
+    """Apply (or preview) one action to each ``(tenant, operation_id, version)``.
+
+    Each operation is acted on alone, through :class:`GuardedReconciler`: one refused or
+    changed operation does not stop the others, and each gets its own line.
+    """
+    if action not in BULK_ACTIONS:
+        raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
+    if action == "resolve" and outcome not in ("succeeded", "failed"):
+        raise ValidationError("resolve needs an outcome: succeeded or failed")
+    _check_note(note)
+    _check_actor(operator)
+    items = []
+    for tenant, operation_id, version in targets:
+        rec = GuardedReconciler(outbox, expected_version=version, dry_run=dry_run)
+        try:
+            if action == "resolve":
+                op = rec.resolve(
+                    operation_id,
+                    tenant=tenant,
+                    outcome=outcome or "",
+                    note=note,
+                    operator=operator,
+                )
+            elif action == "requeue":
+                op = rec.requeue(
+                    operation_id,
+                    tenant=tenant,
+                    note=note,
+                    operator=operator,
+                    accept_duplicate_risk=accept_duplicate_risk,
+                )
+            else:
+                op = rec.cancel(operation_id, tenant=tenant, note=note, operator=operator)
+        except ConcurrentModification as exc:
+            items.append(BulkItem(tenant, operation_id, version, "conflict", str(exc)))
+        except (OperatorActionRefused, ValidationError) as exc:
+            items.append(BulkItem(tenant, operation_id, version, "refused", str(exc)))
+        else:
+            verb = "would become" if dry_run else "now"
+            items.append(
+                BulkItem(
+                    tenant,
+                    operation_id,
+                    version,
+                    "would apply" if dry_run else "applied",
+                    f"{verb} {op.state.value}",
+                    op.state.value,
+                )
+            )
+    return BulkReport(action, dry_run, items)

@@ -1,0 +1,75 @@
+"""Running the console: bind checks, credentials, and uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from outbox.console.app import create_app
+from outbox.console.auth import TOKEN_ENV, Credentials
+from outbox.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, *, allow_remote: bool, credentials: Credentials | None) -> None:
+    """Refuse a bind other machines can reach unless asked for and authenticated by a
+    configured (not generated) credential."""
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise ConfigurationError(
+            f"refusing to listen on {host}: other machines could reach the console; "
+            "pass --allow-remote (with --token-file or " + TOKEN_ENV + ") to mean it"
+        )
+    if credentials is None:
+        raise ConfigurationError(
+            f"refusing to listen on {host} without a configured credential: "
+            f"pass --token-file or set {TOKEN_ENV}"
+        )
+
+
+def serve(
+    outbox: Outbox,
+    *,
+    host: str,
+    port: int,
+    credentials: Credentials,
+    read_only: bool,
+    echo: Callable[[str], None],
+    allowed_hosts: list[str] | None = None,
+) -> None:
+    import uvicorn
+
+    if allowed_hosts is None and is_loopback(host):
+        allowed_hosts = LOOPBACK_HOSTS
+    app = create_app(outbox, credentials, read_only=read_only, allowed_hosts=allowed_hosts)
+    shown = f"[{host}]" if ":" in host else host
+    echo(f"outbox console on http://{shown}:{port}/ ({'read-only' if read_only else 'read-write'})")
+    if credentials.generated:
+        entry = credentials.entries[0]
+        echo(f"sign-in token for {entry.name} (shown once, valid until this process exits):")
+        echo(f"  {entry.token}")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        proxy_headers=True,
+    )
+    uvicorn.Server(config).run()

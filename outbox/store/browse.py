@@ -1,0 +1,192 @@
+"""Read-only SQL for browsing an outbox: filtered pages with totals, the audit log, and
+the overview's aggregates. Used by :mod:`outbox.browse` (the web console's library)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+
+from outbox.model import Operation, Reason, State
+from outbox.store.base import AuditRecord, Store, _operation
+from outbox.store.tables import attempts, audit, dispatchers, operations
+
+o = operations
+a = attempts
+
+
+@dataclass(frozen=True, slots=True)
+class OperationQuery:
+    """Filters over ``outbox_operations``; ``None`` or empty means no filter."""
+
+    states: tuple[State, ...] = ()
+    reason: Reason | None = None
+    endpoint: str | None = None
+    tenant: str | None = None
+    created_before_ms: int | None = None
+    id_contains: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditQuery:
+    actor: str | None = None
+    since_ms: int | None = None
+    until_ms: int | None = None
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DueBacklog:
+    endpoint: str
+    due: int
+    oldest_due_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherRow:
+    id: str
+    host: str
+    pid: int
+    version: str
+    concurrency: int
+    in_flight: int
+    started_at_ms: int
+    last_seen_at_ms: int
+    stopped_at_ms: int | None
+
+
+def _where(query: Any, q: OperationQuery) -> Any:
+    if q.states:
+        query = query.where(o.c.state.in_([s.value for s in q.states]))
+    if q.reason is not None:
+        query = query.where(o.c.reason == q.reason.value)
+    if q.endpoint is not None:
+        query = query.where(o.c.endpoint == q.endpoint)
+    if q.tenant is not None:
+        query = query.where(o.c.tenant == q.tenant)
+    if q.created_before_ms is not None:
+        query = query.where(o.c.created_at <= q.created_before_ms)
+    if q.id_contains:
+        # autoescape: % and _ in the search text match themselves.
+        query = query.where(o.c.operation_id.contains(q.id_contains, autoescape=True))
+    return query
+
+
+def operations_page(
+    store: Store, q: OperationQuery, *, newest_first: bool, limit: int, offset: int
+) -> tuple[list[Operation], int]:
+    """One page of operations (without attempts) and the total matching the filters."""
+    order = (o.c.created_at.desc(), o.c.id.desc()) if newest_first else (o.c.created_at, o.c.id)
+    with store.read() as conn:
+        total = int(conn.execute(_where(select(func.count()).select_from(o), q)).scalar_one())
+        rows = conn.execute(_where(select(o), q).order_by(*order).limit(limit).offset(offset))
+        return [_operation(r, ()) for r in rows], total
+
+
+def audit_page(
+    store: Store, q: AuditQuery, *, limit: int, offset: int
+) -> tuple[list[AuditRecord], int]:
+    """Audit rows, newest first, and the total matching the filters."""
+
+    def where(query: Any) -> Any:
+        if q.actor is not None:
+            query = query.where(audit.c.actor == q.actor)
+        if q.since_ms is not None:
+            query = query.where(audit.c.at >= q.since_ms)
+        if q.until_ms is not None:
+            query = query.where(audit.c.at < q.until_ms)
+        if q.operation_id is not None:
+            query = query.where(audit.c.operation_id == q.operation_id)
+        return query
+
+    with store.read() as conn:
+        total = int(conn.execute(where(select(func.count()).select_from(audit))).scalar_one())
+        rows = conn.execute(
+            where(select(audit))
+            .order_by(audit.c.at.desc(), audit.c.id.desc())
+            .limit(limit)
+            .offset(offset)
+        ).all()
+    return [
+        AuditRecord(
+            tenant=r.tenant,
+            operation_id=r.operation_id,
+            actor=r.actor,
+            action=r.action,
+            from_state=r.from_state,
+            to_state=r.to_state,
+            note=r.note,
+            details=json.loads(r.details) if r.details else None,
+            at_ms=r.at,
+        )
+        for r in rows
+    ], total
+
+
+def distinct_values(store: Store) -> tuple[list[str], list[str], list[str]]:
+    """Endpoints, tenants and audit actors present, for the filter menus (capped)."""
+    with store.read() as conn:
+        endpoints = [
+            r[0] for r in conn.execute(select(o.c.endpoint).distinct().order_by(o.c.endpoint))
+        ]
+        tenants = [
+            r[0]
+            for r in conn.execute(select(o.c.tenant).distinct().order_by(o.c.tenant).limit(200))
+        ]
+        actors = [
+            r[0]
+            for r in conn.execute(
+                select(audit.c.actor).distinct().order_by(audit.c.actor).limit(200)
+            )
+        ]
+    return endpoints, tenants, actors
+
+
+def due_backlog(store: Store, now_ms: int) -> list[DueBacklog]:
+    """Pending operations already due, per endpoint, with the oldest due time."""
+    with store.read() as conn:
+        rows = conn.execute(
+            select(
+                o.c.endpoint, func.count().label("n"), func.min(o.c.next_attempt_at).label("oldest")
+            )
+            .where(o.c.state == State.PENDING.value, o.c.next_attempt_at <= now_ms)
+            .group_by(o.c.endpoint)
+            .order_by(o.c.endpoint)
+        ).all()
+    return [DueBacklog(r.endpoint, int(r.n), int(r.oldest)) for r in rows]
+
+
+def attempt_outcomes_since(store: Store, since_ms: int) -> list[tuple[str | None, str | None, int]]:
+    """(delivery, verdict, count) of the attempts started since ``since_ms``."""
+    with store.read() as conn:
+        rows = conn.execute(
+            select(a.c.delivery, a.c.verdict, func.count().label("n"))
+            .where(a.c.started_at >= since_ms)
+            .group_by(a.c.delivery, a.c.verdict)
+        ).all()
+    return [(r.delivery, r.verdict, int(r.n)) for r in rows]
+
+
+def dispatcher_rows(store: Store, limit: int = 100) -> list[DispatcherRow]:
+    """Dispatcher heartbeat rows, most recently seen first."""
+    with store.read() as conn:
+        rows: Sequence[Any] = conn.execute(
+            select(dispatchers).order_by(dispatchers.c.last_seen_at.desc()).limit(limit)
+        ).all()
+    return [
+        DispatcherRow(
+            id=r.id,
+            host=r.host,
+            pid=r.pid,
+            version=r.version,
+            concurrency=r.concurrency,
+            in_flight=r.in_flight,
+            started_at_ms=r.started_at,
+            last_seen_at_ms=r.last_seen_at,
+            stopped_at_ms=r.stopped_at,
+        )
+        for r in rows
+    ]
