@@ -1,0 +1,172 @@
+"""The console in a real browser: headless Chromium (Debian's ``chromium`` package)
+driven by Playwright, against ``outbox console`` running as a subprocess.
+
+No browser is downloaded: Playwright launches the system Chromium by path. Where it or
+Playwright is missing these tests skip with the reason, unless
+``OUTBOX_REQUIRE_BROWSER=1`` (CI sets it), which turns the skip into a failure.
+
+Screenshots of the operation page are saved under ``OUTBOX_TEST_ARTIFACTS`` (default:
+the test's temporary directory); ``OUTBOX_UPDATE_SCREENSHOT=1`` also writes the one the
+README shows, ``docs/console-operation.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine
+
+from outbox.reconcile import default_operator
+from outbox.testing.receiver import Receiver
+from tests.acceptance._console_proc import OUTBOX_SCRIPT, console_process
+from tests.integration import _reconcile_states as S
+from tests.integration._reconcile_states import LOST, World
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = os.environ.get("OUTBOX_TEST_CHROMIUM", "/usr/bin/chromium")
+
+
+def require_browser() -> None:
+    reason = None
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as exc:
+        reason = f"playwright is not installed ({exc})"
+    if reason is None and not Path(CHROMIUM).is_file():
+        reason = f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
+    if reason is None:
+        return
+    if os.environ.get("OUTBOX_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"OUTBOX_REQUIRE_BROWSER=1 but {reason}")
+    pytest.skip(reason)
+
+
+@contextmanager
+def chromium_page() -> Iterator[Any]:
+    """A fresh page in headless Chromium; fails the test if the page logged an error (a
+    CSP violation, a missing asset). Opened after the test's set-up: Playwright's sync
+    API runs an event loop in this thread, so no asyncio.run() may start meanwhile."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            tab = context.new_page()
+            tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            tab.on("pageerror", lambda e: errors.append(str(e)))
+            yield tab
+            context.close()
+        finally:
+            browser.close()
+    # 401 on the first visit is by design (the sign-in page); anything else is a fault.
+    assert [e for e in errors if "401" not in e] == []
+
+
+def artifact(tmp_path: Path, name: str) -> Path:
+    directory = Path(os.environ.get("OUTBOX_TEST_ARTIFACTS") or tmp_path)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / name
+
+
+def sign_in(page: Any, url: str, token: str) -> None:
+    response = page.goto(url + "/")
+    assert response.status == 401
+    page.fill("#token", token)
+    page.click("button:has-text('Sign in')")
+    page.wait_for_selector("text=signed in as")
+
+
+def audit_rows(db_url: str, operation_id: str) -> list[dict[str, Any]]:
+    engine = create_engine(db_url)
+    try:
+        return S.audit_rows(engine, operation_id)
+    finally:
+        engine.dispose()
+
+
+def test_sign_in_filter_the_queue_open_an_operation_and_resolve_it(tmp_path: Path) -> None:
+    require_browser()
+    db_url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    with Receiver(tmp_path / "receiver.sqlite3") as rx, S.every_state_world(World, db_url, rx):
+        pass  # every state reached through real dispatches; the console reads the file
+    with console_process("--db", db_url) as console, chromium_page() as page:
+        sign_in(page, console.url, console.token())
+        assert page.inner_text(".tile.state-unresolved .n") == "3"
+        page.click("nav >> text=Reconciliation queue")
+        assert page.inner_text("#total") == "3"
+        page.select_option("select[name=reason]", "outcome_unknown")
+        page.click("button:has-text('Filter')")
+        assert "reason=outcome_unknown" in page.url
+        assert page.inner_text("#total") == "1"
+        assert page.locator("table.ops tbody tr").count() == 1
+        page.click(f"table.ops >> text={LOST.operation_id}")
+        page.wait_for_selector("h1.opid")
+        assert LOST.operation_id in page.inner_text("h1.opid")
+        explanation = page.inner_text(".explanation")
+        assert "may have reached the receiver" in explanation
+        assert page.locator("ol.timeline li").count() == 1
+        page.screenshot(path=str(artifact(tmp_path, "console-op-lost.png")), full_page=True)
+        page.check("input[name=outcome][value=succeeded]")
+        page.fill("#resolve-note", "reservation found in the receiver's admin")
+        page.click("button:has-text('Resolve')")
+        page.wait_for_selector(".notice.ok")
+        assert "Resolved." in page.inner_text(".notice.ok")
+        assert "succeeded" in page.inner_text("h1.opid")
+        assert "reservation found" in page.inner_text("table.audit")
+    [row] = audit_rows(db_url, LOST.operation_id)
+    assert (row["actor"], row["action"], row["to_state"], row["note"]) == (
+        default_operator(),
+        "resolve",
+        "succeeded",
+        "reservation found in the receiver's admin",
+    )
+
+
+def test_the_readme_walkthrough_settles_the_demos_unresolved_operation(tmp_path: Path) -> None:
+    require_browser()
+    demo = tmp_path / "demo"
+    done = subprocess.run(
+        [str(OUTBOX_SCRIPT), "demo", "--dir", str(demo)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "OUTBOX_DATABASE_URL": ""},
+    )
+    assert done.returncode == 0, done.stderr
+    db_url = f"sqlite:///{demo / 'outbox.sqlite3'}"
+    with console_process("--db", db_url) as console, chromium_page() as page:
+        sign_in(page, console.url, console.token())
+        page.click("nav >> text=Reconciliation queue")
+        page.click("table.ops >> text=order-1004-reserve")
+        page.wait_for_selector("h1.opid")
+        # The evidence: every attempt with its request ID and what was observed.
+        attempts = page.locator("ol.timeline li")
+        assert attempts.count() >= 1
+        assert "may have reached the receiver" in page.inner_text(".explanation")
+        assert "TEST-AXLE" in page.inner_text("pre.json")
+        shot = artifact(tmp_path, "console-operation.png")
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("OUTBOX_UPDATE_SCREENSHOT") == "1":
+            shutil.copyfile(shot, REPO / "docs" / "console-operation.png")
+        page.check("input[name=outcome][value=succeeded]")
+        page.fill("#resolve-note", "reservation found in the inventory admin")
+        page.click("button:has-text('Resolve')")
+        page.wait_for_selector(".notice.ok")
+    [row] = audit_rows(db_url, "order-1004-reserve")
+    assert (row["action"], row["to_state"], row["note"]) == (
+        "resolve",
+        "succeeded",
+        "reservation found in the inventory admin",
+    )
