@@ -179,6 +179,43 @@ def test_overview_counts_states_reasons_backlog_and_attempts(shared: World) -> N
     assert "No dispatcher has reported" in page
 
 
+def test_overview_lists_dispatcher_heartbeats_when_there_are_any(world: World) -> None:
+    from outbox.store.tables import dispatchers
+
+    now = world.clock.now_ms()
+    with world.ob.engine.begin() as conn:  # as a dispatcher's heartbeat writes them
+        conn.execute(
+            dispatchers.insert(),
+            [
+                {
+                    "id": "vm:1:live",
+                    "host": "vm",
+                    "pid": 1,
+                    "version": "0.1.0",
+                    "concurrency": 32,
+                    "in_flight": 5,
+                    "started_at": now - 60_000,
+                    "last_seen_at": now - 1_000,
+                    "stopped_at": None,
+                },
+                {
+                    "id": "vm:2:gone",
+                    "host": "vm",
+                    "pid": 2,
+                    "version": "0.1.0",
+                    "concurrency": 32,
+                    "in_flight": 0,
+                    "started_at": now - 600_000,
+                    "last_seen_at": now - 300_000,
+                    "stopped_at": None,
+                },
+            ],
+        )
+    page = client(world.ob).get("/").text
+    assert "1 alive (heartbeat in the last minute)" in page
+    assert "vm:1:live" in page and "vm:2:gone" in page and "5/32" in page
+
+
 def test_queue_lists_only_unresolved_with_totals_filters_and_paging(shared: World) -> None:
     c = client(shared.ob)
 
@@ -692,4 +729,10 @@ def test_every_stored_string_renders_as_text_and_secret_headers_are_masked(
     assert "&lt;img src=x onerror=alert(1)&gt;" in hostile  # evidence header and body
     assert "/x&lt;script&gt;alert(1)&lt;/script&gt;" in hostile  # the path
     assert "(masked)" in hostile  # set-cookie evidence
+    # The receiver's own words (its error text, its request ID), escaped where they show.
+    planted = "&#34;&gt;&lt;img src=x onerror=alert(1)&gt;"
+    assert f'<dt>receiver\'s request ID</dt><dd class="mono">{planted}</dd>' in hostile
+    assert (
+        '<dd class="mono error">&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; ' + planted
+    ) in hostile
     assert "&lt;b onmouseover=" in pages["/audit"]  # the actor
