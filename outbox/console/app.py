@@ -15,6 +15,7 @@ from urllib.parse import urlencode, urlsplit
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
@@ -44,6 +45,8 @@ SECURITY_HEADERS = {
     "cross-origin-opener-policy": "same-origin",
 }
 MAX_FORM_FIELDS = 2000
+#: Every form fits: a 2000-character note, or a bulk apply naming 200 operations.
+MAX_FORM_BYTES = 256 * 1024
 
 
 class SecurityHeaders:
@@ -242,6 +245,13 @@ def _str(value: Any) -> str | None:
 
 
 async def read_form(request: Request) -> FormData:
+    """The posted form; 413 for a body larger than any of our forms can be (the parser
+    would otherwise read it whole), 411 for one whose length is not announced."""
+    length = request.headers.get("content-length")
+    if length is None or not length.isdigit():
+        raise HTTPException(411, "a form post must announce its length")
+    if int(length) > MAX_FORM_BYTES:
+        raise HTTPException(413, f"form larger than {MAX_FORM_BYTES} bytes")
     return await request.form(max_files=0, max_fields=MAX_FORM_FIELDS)
 
 

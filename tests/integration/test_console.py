@@ -468,6 +468,28 @@ def test_an_action_on_an_operation_changed_since_it_was_shown_is_refused(world: 
     assert [a["note"] for a in world.audit(LOST.operation_id)] == ["bob was faster"]
 
 
+def test_an_oversized_form_is_refused_before_it_is_read(shared: World) -> None:
+    c = client(shared.ob)
+    before = shared.rows()
+    data = form_for(c, LOST, outcome="succeeded", note="x" * 300_000)
+    r = c.post("/operation/resolve", data=data)
+    assert r.status_code == 413
+    assert r.headers["content-security-policy"] == CSP
+    assert shared.rows() == before
+
+
+def test_a_large_body_is_shown_cut_with_its_size(db_url: str, receiver: Receiver) -> None:
+    with S.every_state_world(World, db_url, receiver, build=False) as w:
+        big = {"items": ["x" * 100 for _ in range(1000)]}
+        w.ob.enqueue(
+            endpoint="offline", method="POST", path="/big", json=big, operation_id="op-big"
+        )
+        page = client(w.ob).get("/operation?tenant=&id=op-big").text
+        assert "Cut at 65536 characters of" in page
+        shown = re.search(r'<pre class="json">(.*?)</pre>', page, re.S)
+        assert shown and len(html.unescape(shown.group(1))) == 65536
+
+
 def test_read_only_console_shows_no_action_and_refuses_every_post(shared: World) -> None:
     c = client(shared.ob, read_only=True)
     page = c.get(op_path(LOST)).text
