@@ -24,7 +24,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.model import Attempt, Delivery, Operation, Reason, Result, State, Verdict
-from outbox.store.engine import create_engine
+from outbox.store.engine import create_async_engine, create_engine
 
 __version__ = "0.1.0"
 
@@ -57,5 +57,6 @@ __all__ = [
     "Verdict",
     "WaitTimeout",
     "__version__",
+    "create_async_engine",
     "create_engine",
 ]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
+from outbox.aio import AsyncMethods, is_async_connection
 from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
     canonicalize,
@@ -40,6 +41,7 @@ from outbox.store import Store, store_for
 from outbox.store.base import operation_row
 from outbox.store.engine import DEFAULT_URL, create_engine
 from outbox.store.migrate import ensure_schema
+from outbox.transaction import TransactionMethods
 
 if TYPE_CHECKING:
     from outbox.reconcile import Reconciler
@@ -62,9 +64,23 @@ class Intent:
     ordering_key: str | None = None
 
 
-def _connection_of(connection: Any) -> Connection:
+#: Own-transaction enqueue from a caller that holds the SQLite file's write lock.
+INSIDE_A_TRANSACTION = (
+    "pass connection=… (you are inside a transaction on this database): this thread (or task) "
+    "already holds the write lock on {path}, so an enqueue in a transaction of its own "
+    "would wait for a lock only you can release. Enqueue on the connection (or Session) "
+    "of your transaction, or use `with ob.transaction(engine) as tx: tx.enqueue(...)`."
+)
+
+
+def _connection_of(connection: Any, method: str = "enqueue") -> Connection:
     if isinstance(connection, Connection):
         return connection
+    if is_async_connection(connection):
+        raise ValidationError(
+            f"{type(connection).__name__} is asynchronous: use "
+            f"`await ob.{method}_async(..., connection=...)`"
+        )
     get = getattr(connection, "connection", None)
     if callable(get):  # an ORM Session: join its transaction
         conn = get()
@@ -73,7 +89,7 @@ def _connection_of(connection: Any) -> Connection:
     raise ValidationError("connection must be a SQLAlchemy Connection or ORM Session")
 
 
-class Outbox:
+class Outbox(AsyncMethods, TransactionMethods):
     """A durable outbox over a SQLite file or a PostgreSQL database.
 
     ``Outbox()`` uses ``./outbox.sqlite3``. On SQLite the schema is created or upgraded
@@ -183,6 +199,7 @@ class Outbox:
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is not None:
             return self._enqueue_on(_connection_of(connection), intent)
+        self._refuse_if_caller_holds_the_lock()
         try:
             with self.store.write() as conn:
                 return self._enqueue_on(conn, intent)
@@ -196,15 +213,31 @@ class Outbox:
         # Validate everything first: a bad item must not leave the others half-done.
         checked = [self._validate(intent) for intent in intents]
         if connection is not None:
-            return self._enqueue_many_on(_connection_of(connection), checked)
+            return self._enqueue_many_on(_connection_of(connection, "enqueue_many"), checked)
+        self._refuse_if_caller_holds_the_lock()
         with self.store.write() as conn:
             return self._enqueue_many_on(conn, checked)
+
+    def _refuse_if_caller_holds_the_lock(self) -> None:
+        if self.store.caller_holds_write_lock():
+            raise ValidationError(INSIDE_A_TRANSACTION.format(path=self.engine.url.database))
+
+    def _joined(self, conn: Connection) -> Connection:
+        """The caller's connection, if it is on the kind of database this outbox uses."""
+        if conn.dialect.name != self.engine.dialect.name:
+            raise ValidationError(
+                f"connection is to a {conn.dialect.name} database but this outbox stores "
+                f"in {self.engine.dialect.name}: enqueue on a connection to the outbox's "
+                "database"
+            )
+        return conn
 
     def _enqueue_many_on(
         self, conn: Connection, checked: list[tuple[str, str, str | None, Any]]
     ) -> list[Operation]:
         """One multi-row INSERT for the new keys; keys already stored (or repeated within
         the batch) take enqueue's one-by-one path: the same result or OperationConflict."""
+        conn = self._joined(conn)
         now = self.clock.now_ms()
         inserted = self.store.insert_operations(
             conn,
@@ -258,8 +291,15 @@ class Outbox:
         return op_id, tenant, ordering_key, args
 
     def _enqueue_on(self, conn: Connection, intent: Intent) -> Operation:
-        op_id, tenant, ordering_key, args = self._validate(intent)
-        return self._insert_checked(conn, op_id, tenant, ordering_key, args)
+        return self._enqueue_checked(conn, self._validate(intent))
+
+    def _enqueue_checked(
+        self, conn: Connection, checked: tuple[str, str, str | None, Any]
+    ) -> Operation:
+        """Store an intent :meth:`_validate` accepted, on the caller's connection (the
+        async methods run this through ``AsyncConnection.run_sync``)."""
+        op_id, tenant, ordering_key, args = checked
+        return self._insert_checked(self._joined(conn), op_id, tenant, ordering_key, args)
 
     def _new_operation(
         self, pk: int, *, op_id: str, tenant: str, ordering_key: str | None, args: Any, now: int
@@ -321,11 +361,16 @@ class Outbox:
     # -- reads --------------------------------------------------------------------
 
     def get(self, operation_id: str, *, tenant: str = "") -> Operation:
-        """The operation with its attempt history; raises OperationNotFound."""
-        op = self.store.get_operation(check_tenant(tenant), check_operation_id(operation_id))
+        """The operation with its attempt history; raises OperationNotFound
+        (:meth:`find` returns None instead)."""
+        op = self.find(operation_id, tenant=tenant)
         if op is None:
             raise OperationNotFound(f"no operation {operation_id!r} in tenant {tenant!r}")
         return op
+
+    def find(self, operation_id: str, *, tenant: str = "") -> Operation | None:
+        """The operation with its attempt history, or None if there is none."""
+        return self.store.get_operation(check_tenant(tenant), check_operation_id(operation_id))
 
     def wait(
         self, operation_id: str, *, tenant: str = "", timeout: float = 30.0, poll: float = 0.05

@@ -115,6 +115,11 @@ class Store:
         """The database server's clock, where the database has one worth using."""
         return None
 
+    def caller_holds_write_lock(self) -> bool:
+        """Whether a write transaction of our own would wait on the caller itself
+        (SQLite: this thread or task already holds the file's write lock)."""
+        return False
+
     # -- enqueue ------------------------------------------------------------------
 
     def _insert_ignoring_duplicate(self) -> Any:

@@ -6,13 +6,17 @@ import os
 import stat
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError, StoreError
+from outbox.store import writelock
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 #: How long a SQLite writer waits for the lock before giving up, in milliseconds.
 #: Long enough to ride out another process's short write transaction (ours are a few
@@ -95,6 +99,38 @@ def create_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> Engine:
     return engine
 
 
+def create_async_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> AsyncEngine:
+    """An ``AsyncEngine`` configured like :func:`create_engine`: SQLite through aiosqlite
+    (WAL, ``synchronous=FULL``, busy timeout, ``BEGIN IMMEDIATE``, a 0600 file) or
+    PostgreSQL through psycopg 3's async driver. ``sqlite://`` and ``postgresql://``
+    URLs get those drivers.
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
+
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        if parsed.drivername == "postgresql+psycopg":
+            parsed = parsed.set(drivername="postgresql+psycopg_async")
+        kwargs.setdefault("pool_pre_ping", True)
+        engine = sa_create_async_engine(parsed, **kwargs)
+    else:
+        if parsed.drivername == "sqlite":
+            parsed = parsed.set(drivername="sqlite+aiosqlite")
+        path = sqlite_path(parsed)
+        if path is not None and parsed.query.get("mode") != "ro":
+            create_private_file(path)
+        engine = sa_create_async_engine(parsed, **kwargs)
+        configure_sqlite(engine.sync_engine)
+    _dispose_in_forked_children(engine.sync_engine)
+    return engine
+
+
+def lock_key(url: URL) -> str | None:
+    """The name under which write transactions on this SQLite file are tracked."""
+    path = sqlite_path(url)
+    return None if path is None else os.path.realpath(path)
+
+
 def configure_sqlite(engine: Engine) -> None:
     """Install the pragmas and the BEGIN IMMEDIATE behaviour on a SQLite engine."""
 
@@ -118,6 +154,10 @@ def configure_sqlite(engine: Engine) -> None:
             connection.exec_driver_sql("BEGIN")
         else:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    key = lock_key(engine.url)
+    if key is not None:
+        writelock.track(engine, key)
 
 
 def _dispose_in_forked_children(engine: Engine) -> None:

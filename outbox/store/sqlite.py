@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import text, update
+from sqlalchemy import Engine, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from outbox.errors import StoreError
+from outbox.store import writelock
 from outbox.store.base import Store
-from outbox.store.engine import check_private_file, sqlite_path
+from outbox.store.engine import check_private_file, lock_key, sqlite_path
 from outbox.store.tables import operations as o
 
 #: ``Store._due_ids`` for SQLite, pinned to the partial due index.
@@ -44,6 +45,13 @@ class SqliteStore(Store):
         sql = text(_DUE_SQL).bindparams(now_ms=now_ms, limit=limit)
         due = sql.columns(o.c.id).scalar_subquery()
         return update(o).where(o.c.id.in_(due)).values(values).returning(*self._CLAIMED_COLUMNS)
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self._lock_key = lock_key(engine.url)
+
+    def caller_holds_write_lock(self) -> bool:
+        return self._lock_key is not None and writelock.held_by_caller(self._lock_key)
 
     def preflight(self) -> None:
         """Refuse a world-readable file; run ``PRAGMA quick_check``."""
