@@ -9,7 +9,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -199,9 +200,8 @@ class Outbox(AsyncMethods, TransactionMethods):
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is not None:
             return self._enqueue_on(_connection_of(connection), intent)
-        self._refuse_if_caller_holds_the_lock()
         try:
-            with self.store.write() as conn:
+            with self._own_transaction() as conn:
                 return self._enqueue_on(conn, intent)
         except NotStoredError:
             raise
@@ -214,9 +214,16 @@ class Outbox(AsyncMethods, TransactionMethods):
         checked = [self._validate(intent) for intent in intents]
         if connection is not None:
             return self._enqueue_many_on(_connection_of(connection, "enqueue_many"), checked)
+        with self._own_transaction() as conn:
+            return self._enqueue_many_on(conn, checked)
+
+    @contextmanager
+    def _own_transaction(self) -> Iterator[Connection]:
+        """Where an enqueue without ``connection=`` writes: a short transaction of its
+        own (``outbox.contrib.django`` writes on Django's connection instead)."""
         self._refuse_if_caller_holds_the_lock()
         with self.store.write() as conn:
-            return self._enqueue_many_on(conn, checked)
+            yield conn
 
     def _refuse_if_caller_holds_the_lock(self) -> None:
         if self.store.caller_holds_write_lock():

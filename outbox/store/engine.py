@@ -8,7 +8,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, event
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
@@ -129,6 +129,11 @@ def lock_key(url: URL) -> str | None:
     """The name under which write transactions on this SQLite file are tracked."""
     path = sqlite_path(url)
     return None if path is None else os.path.realpath(path)
+
+
+def enable_wal(conn: Connection) -> None:
+    """Switch a SQLite file to WAL (persistent; outside any transaction)."""
+    conn.exec_driver_sql("PRAGMA journal_mode = WAL")
 
 
 def configure_sqlite(engine: Engine) -> None:

@@ -37,7 +37,9 @@ def _config(engine: Engine, connection: object | None = None) -> object:
 
 
 def current_revision(engine: Engine) -> str | None:
-    with engine.connect() as conn:
+    # A read: on SQLite a plain BEGIN, not BEGIN IMMEDIATE, so it never waits for (or
+    # blocks) a writer, e.g. a request's transaction in the same process.
+    with engine.execution_options(outbox_read_only=True).connect() as conn:
         if not inspect(conn).has_table(VERSION_TABLE):
             return None
         return conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()

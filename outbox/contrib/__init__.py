@@ -1,0 +1,1 @@
+"""Integrations with application frameworks (optional; each needs its framework)."""
