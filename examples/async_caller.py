@@ -1,13 +1,13 @@
 """An asyncio application: SQLAlchemy's AsyncEngine (aiosqlite) and the async dispatcher.
 
 Request handlers write an order and enqueue its reservation in one transaction of the
-application's AsyncConnection, through ``await conn.run_sync(...)``: enqueue is
-synchronous and joins the connection's transaction. The dispatcher runs in the same
+application's AsyncConnection: ``await ob.enqueue_async(..., connection=conn)`` joins
+that transaction and never commits it. The dispatcher runs in the same
 event loop (``await ob.run_dispatcher_async(stop=...)``) and is stopped with an Event;
 requests in flight finish first. The inventory service, a local test receiver, loses
 the response of the first reservation it commits.
 
-Needs aiosqlite:  pip install aiosqlite
+Needs aiosqlite:  pip install "http-outbox[asyncio]"
 Run:  python examples/async_caller.py [-v]   (exit 0 only if every check held)
 """
 
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import structlog
 from sqlalchemy import Column, Integer, MetaData, String, Table, select
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import wait_fixed
 
-from outbox import Endpoint, OperationNotFound, Outbox, RetryPolicy, State
+import outbox
+from outbox import Endpoint, Outbox, RetryPolicy, State
 from outbox.testing.receiver import Receiver
 
 metadata = MetaData()
@@ -47,15 +48,13 @@ async def place_order(app: AsyncEngine, ob: Outbox, order_id: int, *, fail: bool
     operation_id = f"order-{order_id}-reserve"
     async with app.begin() as conn:
         await conn.execute(orders.insert().values(id=order_id, sku="TEST-BOLT", quantity=2))
-        await conn.run_sync(
-            lambda sync_conn: ob.enqueue(
-                endpoint="inventory",
-                method="POST",
-                path="/reservations",
-                json={"order_id": order_id, "sku": "TEST-BOLT", "quantity": 2},
-                operation_id=operation_id,
-                connection=sync_conn,
-            )
+        await ob.enqueue_async(
+            endpoint="inventory",
+            method="POST",
+            path="/reservations",
+            json={"order_id": order_id, "sku": "TEST-BOLT", "quantity": 2},
+            operation_id=operation_id,
+            connection=conn,  # joins this transaction; never commits it
         )
         if fail:
             raise OutOfStock(f"order {order_id}: validation failed after enqueue")
@@ -81,7 +80,8 @@ async def run(tmp: Path) -> list[tuple[str, bool]]:
                 )
             ],
         )  # fmt: skip
-        app = create_async_engine(f"sqlite+aiosqlite:///{db_file}", connect_args={"timeout": 10})
+        # An AsyncEngine configured like outbox.create_engine (WAL, BEGIN IMMEDIATE).
+        app = outbox.create_async_engine(f"sqlite:///{db_file}")
         try:
             async with app.begin() as conn:
                 await conn.run_sync(metadata.create_all)
@@ -96,8 +96,8 @@ async def run(tmp: Path) -> list[tuple[str, bool]]:
                 print(f"order 4 rolled back ({exc})")
             print(f"placed {placed}")
 
-            # ob.wait blocks; run it off the event loop so the dispatcher keeps going.
-            ops = [await asyncio.to_thread(ob.wait, op_id, timeout=20) for op_id in placed]
+            # wait_async polls without blocking the loop, so the dispatcher keeps going.
+            ops = [await ob.wait_async(op_id, timeout=20) for op_id in placed]
             stop.set()
             summary = await dispatcher
             print(f"dispatcher stopped: {summary.as_dict()}")
@@ -108,11 +108,7 @@ async def run(tmp: Path) -> list[tuple[str, bool]]:
             async with app.connect() as conn:
                 ids = (await conn.execute(select(orders.c.id).order_by(orders.c.id))).scalars()
                 order_ids = list(ids)
-            try:
-                ob.get("order-4-reserve")
-                intent_4 = True
-            except OperationNotFound:
-                intent_4 = False
+            intent_4 = await ob.find_async("order-4-reserve") is not None
             checks += [
                 ("every placed order's reservation succeeded",
                  all(op.state is State.SUCCEEDED for op in ops)),

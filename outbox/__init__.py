@@ -23,13 +23,16 @@ from outbox.errors import (
     ValidationError,
     WaitTimeout,
 )
+from outbox.lookup import StatusLookup
 from outbox.model import Attempt, Delivery, Operation, Reason, Result, State, Verdict
 from outbox.store.engine import create_async_engine, create_engine
+from outbox.transport import Classification
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Attempt",
+    "Classification",
     "Clock",
     "ConcurrentModification",
     "ConfigurationError",
@@ -51,6 +54,7 @@ __all__ = [
     "RetryPolicy",
     "SchemaError",
     "State",
+    "StatusLookup",
     "StoreError",
     "SystemClock",
     "ValidationError",
