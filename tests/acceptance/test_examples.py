@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
-def run_example(name: str, *, env: dict[str, str] | None = None, timeout: float = 60) -> str:
+def run_example(
+    name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> str:
     completed = subprocess.run(
-        [sys.executable, "-W", "error", str(EXAMPLES / name)],
+        [sys.executable, "-W", "error", str(EXAMPLES / name), *args],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
@@ -59,6 +61,25 @@ def test_postgres_two_dispatcher_processes_share_one_outbox() -> None:
     )
     assert "[ok] 100 requests at the receiver: none sent twice" in output
     assert "[ok] both dispatchers exited 0 after SIGTERM" in output
+
+
+def test_fastapi_orders_over_http_on_sqlite() -> None:
+    output = run_example("fastapi_orders.py", timeout=120)
+    assert "[ok] order rows 1-3 only: the refused one rolled back" in output
+    assert "[ok] one reservation per order at the inventory service" in output
+    assert "[ok] SIGTERM: the lifespan drained the dispatcher and the server exited" in output
+
+
+def test_fastapi_orders_over_http_on_postgres() -> None:
+    require_postgres()
+    output = run_example(
+        "fastapi_orders.py",
+        "--postgres",
+        env={"OUTBOX_EXAMPLE_POSTGRES_URL": POSTGRES_URL},
+        timeout=120,
+    )
+    assert "[ok] order rows 1-3 only: the refused one rolled back" in output
+    assert "[ok] one reservation per order at the inventory service" in output
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
