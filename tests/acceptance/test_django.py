@@ -153,3 +153,30 @@ def test_the_django_migration_reaches_the_outbox_schema_head() -> None:
     last = sorted(p.stem for p in migrations.glob("0*.py"))[-1]
     module = importlib.import_module(f"outbox.contrib.django.migrations.{last}")
     assert module.OUTBOX_REVISION == HEAD
+
+
+def test_enqueue_outside_atomic_commits_at_once_like_save(shop: Shop) -> None:
+    shop.manage("migrate", "-v0")
+    assert "autocommit done" in shop.manage("shop_scenario", "autocommit").stdout
+    assert shop.orders() == [(20, "new")]
+    assert shop.operations() == [("order-20-reserve", "pending")]
+
+
+def test_a_conflict_inside_atomic_leaves_djangos_transaction_usable(shop: Shop) -> None:
+    shop.manage("migrate", "-v0")
+    shop.manage("place_order", "17")
+    out = shop.manage("shop_scenario", "conflict").stdout
+    assert "conflict refused" in out
+    assert "conflict done" in out
+    assert shop.orders() == [(17, "reserving"), (30, "kept")]
+    assert shop.operations() == [("order-17-reserve", "pending")]
+    body = shop.query("SELECT body FROM outbox_operations")[0][0]
+    assert json.loads(str(body))["order_id"] == 17  # the stored intent is untouched
+
+
+def test_outbox_dispatch_before_migrate_is_one_line_and_exit_3(shop: Shop) -> None:
+    done = shop.manage("outbox_dispatch", "--once", ok=False)
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "manage.py migrate" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -43,7 +43,7 @@ from sqlalchemy import Connection
 from outbox.client import Outbox
 from outbox.config import Endpoint
 from outbox.contrib.django.connection import borrowed_engine, database_url
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, SchemaError
 
 __all__ = ["DjangoOutbox", "get_outbox", "outbox_from_settings"]
 
@@ -55,7 +55,10 @@ class DjangoOutbox(Outbox):
     def __init__(self, *, using: str = "default", **kwargs: Any) -> None:
         self.using = using
         kwargs.setdefault("auto_migrate", False)  # the schema is manage.py migrate's
-        super().__init__(database_url(using), **kwargs)
+        try:
+            super().__init__(database_url(using), **kwargs)
+        except SchemaError as exc:
+            raise SchemaError(f"{exc} (or manage.py migrate)") from exc
 
     @contextmanager
     def _own_transaction(self) -> Iterator[Connection]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from outbox.contrib.django import get_outbox
+from outbox.errors import ConfigurationError, OutboxError, StoreError
 
 
 class Command(BaseCommand):
@@ -22,12 +23,18 @@ class Command(BaseCommand):
         parser.add_argument("--database", default=None, help="The DATABASES alias.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        ob = get_outbox(options["database"])
-        if not ob.endpoints:
-            self.stderr.write("settings.OUTBOX['ENDPOINTS'] names no endpoint: nothing to send")
-            raise SystemExit(2)
-        if options["once"]:
-            summary = ob.dispatch_once()
-        else:
-            summary = ob.run_dispatcher(concurrency=options["concurrency"])
+        try:
+            ob = get_outbox(options["database"])
+            if not ob.endpoints:
+                raise ConfigurationError(
+                    "settings.OUTBOX['ENDPOINTS'] names no endpoint: nothing could be sent"
+                )
+            if options["once"]:
+                summary = ob.dispatch_once()
+            else:
+                summary = ob.run_dispatcher(concurrency=options["concurrency"])
+        except OutboxError as exc:
+            # One line and the outbox command line's exit codes: 3 the database, 2 usage.
+            code = 3 if isinstance(exc, StoreError) else 2
+            raise CommandError(str(exc), returncode=code) from exc
         self.stdout.write(json.dumps(summary.as_dict(), sort_keys=True))
