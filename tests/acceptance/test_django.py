@@ -180,3 +180,13 @@ def test_outbox_dispatch_before_migrate_is_one_line_and_exit_3(shop: Shop) -> No
     assert "Traceback" not in done.stderr
     assert "manage.py migrate" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_projects_own_tests_pass_under_djangos_test_runner(tmp_path: Path) -> None:
+    """manage.py test creates a test database (a file here), migrates it through the
+    contrib app's migration, and the outbox follows Django to it."""
+    shop = Shop(f"sqlite:///{tmp_path / 'shop.sqlite3'}", tmp_path)
+    shop.env["SHOP_TEST_DATABASE"] = str(tmp_path / "test-shop.sqlite3")
+    done = shop.manage("test", "shop", "-v", "2", "--noinput")
+    assert "Ran 2 tests" in done.stderr
+    assert "Applying outbox.0001_outbox_schema... OK" in done.stdout + done.stderr

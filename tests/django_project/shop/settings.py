@@ -23,6 +23,8 @@ def _database(url_text: str) -> dict[str, Any]:
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": url.database,
             "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 10},
+            # manage.py test: a file, which the outbox's own connection can open too.
+            "TEST": {"NAME": os.environ.get("SHOP_TEST_DATABASE", "test-shop.sqlite3")},
         }
     return {
         "ENGINE": "django.db.backends.postgresql",
