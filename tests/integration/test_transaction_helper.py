@@ -184,6 +184,24 @@ def test_the_guard_also_sees_a_second_engine_and_a_plain_sqlalchemy_url(
     assert stored(sqlite_url) == ([17], ["order-17-reserve"])
 
 
+def test_the_guard_forgets_a_transaction_ended_by_invalidation_or_close(
+    sqlite_engine: sa.Engine, sqlite_url: str
+) -> None:
+    with Outbox(sqlite_engine, endpoints=[INVENTORY]) as box:
+        conn = sqlite_engine.connect()
+        conn.execute(orders.insert().values(id=17))
+        with pytest.raises(ValidationError, match=INSIDE):
+            box.enqueue(**ARGS)
+        conn.invalidate()  # the DB-API connection is closed: its lock is gone
+        box.enqueue(**ARGS)
+        conn.close()
+        conn = sqlite_engine.connect()
+        conn.execute(orders.insert().values(id=18))
+        conn.close()  # rolls back without a commit() call
+        box.enqueue(**{**ARGS, "operation_id": "order-18-reserve"})
+    assert stored(sqlite_url) == ([], ["order-17-reserve", "order-18-reserve"])
+
+
 def _in_begin_immediate(thread: threading.Thread) -> bool:
     frame = sys._current_frames().get(thread.ident or -1)
     while frame is not None:
