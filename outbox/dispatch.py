@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import structlog
 from sqlalchemy.exc import DBAPIError
 
 from outbox import failpoints
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.errors import StoreError
+from outbox.logs import get_logger
 from outbox.model import Delivery, Reason, State, Verdict
 from outbox.policy import decide, reason_from_history
 from outbox.store.base import Store
@@ -34,7 +34,7 @@ from outbox.transport import AttemptResult, build_client, request_headers, send_
 if TYPE_CHECKING:
     from outbox.client import Outbox
 
-logger = structlog.get_logger("outbox.dispatch")
+logger = get_logger("outbox.dispatch")
 
 T = TypeVar("T")
 TransportFactory = Callable[[Endpoint], httpx.AsyncBaseTransport | None]

@@ -79,6 +79,16 @@ def require_postgres() -> None:
     pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def _unconfigure_outbox_logging() -> Iterator[None]:
+    """The CLI configures the ``outbox`` loggers (``outbox.logs.configure``) for the
+    stderr of the moment; no test leaves that behind for the next one."""
+    yield
+    from outbox import logs
+
+    logs.reset()
+
+
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A PostgreSQL URL whose search_path is a fresh schema, dropped after the test."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -15,10 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-import structlog
 from tenacity import wait_fixed
 
-from outbox import Delivery, Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State
+from outbox import Delivery, Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State, logs
 from outbox.testing.receiver import Receiver, Refuse
 
 MakeOutbox = Callable[..., Outbox]
@@ -291,12 +291,11 @@ def test_logs_carry_ids_but_never_bodies_or_credentials(
     secret = "Bearer sk-live-PLANTED-0451"
     ob = make_ob(auth=lambda: {"Authorization": secret})
     buffer = io.StringIO()
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.JSONRenderer(sort_keys=True)],
-        logger_factory=structlog.PrintLoggerFactory(file=buffer),
-        cache_logger_on_first_use=False,
-    )
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(logs.JsonFormatter())
+    logger = logging.getLogger("outbox")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
     try:
         receiver.faults.drop_after_commit(times=1, key="logged")
         ob.enqueue(endpoint="rx", method="POST", path="/orders",
@@ -305,7 +304,8 @@ def test_logs_carry_ids_but_never_bodies_or_credentials(
         _clock(ob).advance(2)
         ob.dispatch_once()
     finally:
-        structlog.reset_defaults()
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
     lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
     events = {line["event"] for line in lines}
     assert {"attempt_started", "attempt_finished", "retry_scheduled",
