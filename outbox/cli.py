@@ -38,6 +38,7 @@ from outbox.reconcile import (
     operation_dict,
     parse_duration,
 )
+from outbox.status import Watch
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_REFUSED, EXIT_USAGE, EXIT_STORE = 1, 2, 3
@@ -197,6 +198,19 @@ def migrate(obj: Context) -> None:
     show_default=True,
     help="With --check: live operations allowed within an hour of key expiry.",
 )
+@click.option(
+    "--dispatcher-timeout",
+    default="30s",
+    show_default=True,
+    help="A dispatcher silent this long is listed as lost.",
+)
+@click.option(
+    "--dispatcher-check/--no-dispatcher-check",
+    default=True,
+    show_default=True,
+    help="With --check: fail when work is due and no dispatcher was seen within the "
+    "dispatcher timeout (turn off for dispatchers run as `dispatch --once`).",
+)
 @click.pass_obj
 def status(
     obj: Context,
@@ -205,14 +219,19 @@ def status(
     max_unresolved: int,
     max_pending_age: str,
     max_near_expiry: int,
+    dispatcher_timeout: str,
+    dispatcher_check: bool,
 ) -> None:
-    """Counts per state, oldest pending age, reconciliation backlog, keys near expiry."""
+    """Counts per state, backlog per endpoint, reconciliation backlog, dispatchers."""
 
     def go() -> None:
         report = Reconciler(obj.outbox()).status(
             max_unresolved=max_unresolved if check else None,
             max_pending_age=parse_duration(max_pending_age) if check else None,
             max_near_expiry=max_near_expiry if check else None,
+            dispatcher_timeout=parse_duration(dispatcher_timeout),
+            require_dispatcher=check and dispatcher_check,
+            max_unsendable=0 if check else None,
         )
         if as_json:
             _emit_json(report.as_dict())
@@ -232,12 +251,58 @@ def status(
             )
             out.print(f"attempts in the last hour: {report.attempts_last_hour}")
             out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
+            if report.watch is not None:
+                _render_watch(report.watch)
             for problem in report.problems:
                 out.print(f"PROBLEM: {problem}")
         if check and report.problems:
             sys.exit(EXIT_REFUSED)
 
     run_guarded(go)
+
+
+def _render_watch(watch: Watch) -> None:
+    attempts = watch.attempts_dict()
+    if attempts["total"]:
+        parts = ", ".join(
+            f"{o['delivery']}/{o['verdict']} {o['count']}" for o in attempts["by_outcome"]
+        )
+        out.print(
+            f"  by outcome: {parts}; {attempts['not_succeeded_ratio'] * 100:.1f}% "
+            "did not succeed",
+            markup=False,
+        )
+    endpoints = watch.endpoints_dict()
+    if endpoints:
+        table = Table(title="backlog by endpoint")
+        for column in ("endpoint", "due", "oldest due", "in flight", "unresolved", "unsendable"):
+            table.add_column(column, justify="left" if column == "endpoint" else "right")
+        for name, e in endpoints.items():
+            age = e["oldest_due_age_seconds"]
+            table.add_row(
+                name,
+                str(e["due"]),
+                "-" if age is None else f"{age:.1f}s",
+                str(e["in_flight"]),
+                str(e["unresolved"]),
+                str(e["unsendable"]),
+            )
+        out.print(table)
+    table = Table(title=f"dispatchers ({len(watch.live)} live)")
+    for column in ("id", "state", "host", "pid", "in flight", "last seen", "started"):
+        table.add_column(column)
+    for d in watch.dispatchers:
+        row = d.as_dict()
+        table.add_row(
+            d.row.id,
+            d.state,
+            d.row.host,
+            str(d.row.pid),
+            f"{d.row.in_flight}/{d.row.concurrency}",
+            f"{d.last_seen_seconds_ago:.1f}s ago",
+            row["started_at"] or "",
+        )
+    out.print(table)
 
 
 def _render_report(report: OperationReport) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import threading
@@ -428,14 +429,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         """Dispatch until ``stop`` is set. Requests in flight finish before it returns."""
         settings = self.dispatcher_settings
         if concurrency is not None:
-            settings = DispatcherSettings(
-                concurrency=concurrency,
-                batch_size=settings.batch_size,
-                lease_seconds=settings.lease_seconds,
-                lease_margin_seconds=settings.lease_margin_seconds,
-                idle_poll_seconds=settings.idle_poll_seconds,
-                dispatcher_id=settings.dispatcher_id,
-            )
+            settings = dataclasses.replace(settings, concurrency=concurrency)
         return await self.dispatcher(settings).run(stop)
 
     def run_dispatcher(

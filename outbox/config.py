@@ -181,6 +181,8 @@ class DispatcherSettings:
     idle_poll_seconds: float = 0.25
     #: Identifies this dispatcher in attempts and leases (default: host:pid:random).
     dispatcher_id: str | None = None
+    #: How often a running dispatcher writes its heartbeat row (``outbox status``).
+    heartbeat_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -189,6 +191,8 @@ class DispatcherSettings:
             raise ConfigurationError("batch_size must be at least 1")
         if self.lease_seconds is not None and self.lease_seconds <= 0:
             raise ConfigurationError("lease_seconds must be positive")
+        if not self.heartbeat_seconds > 0:
+            raise ConfigurationError("heartbeat_seconds must be positive")
 
     def lease_for(self, endpoints: Mapping[str, Endpoint]) -> float:
         longest = max((e.timeout for e in endpoints.values()), default=10.0)

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +21,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from sqlalchemy.exc import DBAPIError
 
-from outbox import failpoints
+from outbox import failpoints, heartbeat
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.errors import StoreError
 from outbox.logs import get_logger
 from outbox.model import Delivery, Reason, State, Verdict
+from outbox.observe import NOTHING, Instrumentation
 from outbox.policy import decide, reason_from_history
 from outbox.store.base import Store
 from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
@@ -85,6 +87,8 @@ class _Work:
     token: str
     claimed_mono: float
     lease_seconds: float
+    #: The instrumentation's handle on the claim batch (a trace span, say).
+    batch: Any = None
 
 
 def default_dispatcher_id() -> str:
@@ -103,8 +107,10 @@ class Dispatcher:
         settings: DispatcherSettings,
         transport_factory: TransportFactory | None = None,
         outbox: Outbox | None = None,
+        instrumentation: Instrumentation | None = None,
     ) -> None:
         self.store = store
+        self._observe = instrumentation or NOTHING
         # Needed to settle operations through a status lookup (audited operator actions).
         self._outbox = outbox
         self._lookups: set[asyncio.Task[None]] = set()
@@ -125,12 +131,25 @@ class Dispatcher:
         self._names: dict[int, dict[str, Any]] = {}
         self._last_clock_sync = clock.monotonic()
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
+        #: time.monotonic() of the last database call that answered (for /readyz).
+        self.db_answered_at: float | None = None
 
     # -- plumbing -----------------------------------------------------------------
 
+    async def run_db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """Run ``fn(**kwargs)`` on the dispatcher's database thread."""
+        return await self._run_db(fn, **kwargs)
+
     async def _run_db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._db, functools.partial(fn, **kwargs))
+        result = await loop.run_in_executor(self._db, functools.partial(fn, **kwargs))
+        self.db_answered_at = time.monotonic()
+        return result
+
+    @property
+    def in_flight(self) -> int:
+        """Operations this dispatcher holds right now (claimed, not yet recorded)."""
+        return self._inflight
 
     def _client(self, endpoint: Endpoint) -> httpx.AsyncClient:
         client = self._clients.get(endpoint.name)
@@ -163,6 +182,8 @@ class Dispatcher:
             self._db.shutdown(wait=False)
             raise
         writer = asyncio.create_task(self._write_outcomes())
+        self._observe.dispatcher_started(self)
+        beats = None if once else asyncio.create_task(heartbeat.beat(self))
         self._log.info(
             "dispatcher_started",
             concurrency=self.settings.concurrency,
@@ -213,12 +234,18 @@ class Dispatcher:
             for client in self._clients.values():
                 await client.aclose()
             self._clients.clear()
+            if beats is not None:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
+                await heartbeat.stopped(self)
+            self._observe.dispatcher_stopped(self)
             self._db.shutdown(wait=True)
             self._log.info("dispatcher_stopped", **self.summary.as_dict())
         return self.summary
 
     async def _claim_and_start(self, limit: int) -> list[_Work]:
         token = str(uuid.uuid4())
+        claim_ns = time.time_ns()
         claimed_mono = self.clock.monotonic()
         now = self.clock.now_ms()
         claimed, recovered = await self._run_db(
@@ -232,6 +259,7 @@ class Dispatcher:
         if not claimed:
             return []
         self.summary.claimed += len(claimed)
+        batch = self._observe.claimed(claimed, recovered, claim_ns)
         self._log.debug("operations_claimed", count=len(claimed), lease_token=token)
         for rec in recovered:
             self.summary.recovered += 1
@@ -290,6 +318,7 @@ class Dispatcher:
             written = await self._run_db(self.store.settle, now_ms=now, settlements=settlements)
             for s in settlements:
                 if s.pk in written:
+                    self._observe.settled(s.pk, s.state, s.reason, now)
                     self._count_unresolved(s.reason)
                     self._log.warning(
                         "operation_unresolved",
@@ -307,10 +336,12 @@ class Dispatcher:
         )
         for pk in set(to_send) - {s.pk for s in started}:
             self._names.pop(pk, None)
+        self._observe.attempts_begun(batch, started, now)
         return [
-            _Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds)
+            _Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds,
+                  batch)
             for s in started
-        ]
+        ]  # fmt: skip
 
     async def _attempt(self, work: _Work) -> None:
         c, endpoint, started = work.claimed, work.endpoint, work.started
@@ -349,6 +380,7 @@ class Dispatcher:
                 tenant=c.tenant,
                 has_body=c.body is not None,
             )
+            traced = self._observe.attempt_started(work.batch, c, endpoint, started, headers)
             log.info("attempt_started")
             self.summary.attempts += 1
             result = await send_attempt(
@@ -360,6 +392,7 @@ class Dispatcher:
                 body=c.body.encode("utf-8") if c.body is not None else None,
                 now_ms=self.clock.now_ms,
             )
+            self._observe.attempt_sent(traced, result)
             log.info(
                 "attempt_finished",
                 status=result.status_code,
@@ -473,7 +506,9 @@ class Dispatcher:
                 # records these attempts as unknown. Nothing is resent before that.
                 self._log.exception("outcome_write_failed", count=len(batch))
                 written = set()
+            now = self.clock.now_ms()
             for out in batch:
+                self._observe.outcome(out, applied=out.pk in written, now_ms=now)
                 names = self._log_transition(out, applied=out.pk in written)
                 if out.pk in written and out.state is State.UNRESOLVED:
                     self._maybe_look_up(out, names)
@@ -510,6 +545,7 @@ class Dispatcher:
         except Exception:
             log.exception("status_lookup_failed")
             return
+        self._observe.status_lookup(endpoint.name, result.status.value)
         log.info("status_lookup", answer=result.status.value,
                  action=outcome.action.value if outcome else "none")
         if outcome is not None and outcome.state is State.SUCCEEDED:

@@ -24,6 +24,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.model import Action, Attempt, Delivery, Operation, Reason, State, ms_to_datetime
+from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store.base import AuditRecord
 
 if TYPE_CHECKING:
@@ -238,9 +239,12 @@ class StatusReport:
     attempts_last_hour: int
     keys_near_expiry: int
     problems: list[str] = field(default_factory=list)
+    #: Dispatchers, per-endpoint backlog, last hour's attempts by outcome.
+    watch: Watch | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            **(self.watch.as_dict() if self.watch is not None else {}),
             "counts": self.counts,
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
             "reconciliation_backlog": sum(self.unresolved_by_reason.values()),
@@ -341,8 +345,18 @@ class Reconciler:
         max_pending_age: timedelta | None = None,
         near_expiry: timedelta = timedelta(hours=1),
         max_near_expiry: int | None = None,
+        dispatcher_timeout: timedelta = DEFAULT_DISPATCHER_TIMEOUT,
+        require_dispatcher: bool = False,
+        max_unsendable: int | None = None,
     ) -> StatusReport:
+        """Counts and thresholds.
+
+        ``require_dispatcher``: a problem when work is due and no dispatcher (running or
+        stopped) was seen within ``dispatcher_timeout``. ``max_unsendable``: pending
+        operations no dispatcher can send (say, an endpoint none registered).
+        """
         now = self.outbox.clock.now_ms()
+        seen = watch(self.outbox, now_ms=now, dispatcher_timeout=dispatcher_timeout)
         counts = {s.value: 0 for s in State}
         counts.update(self.store.state_counts())
         oldest = self.store.oldest_pending_created_ms()
@@ -366,7 +380,21 @@ class Reconciler:
                 f"{near} live operations within {near_expiry} of key expiry "
                 f"(threshold {max_near_expiry})"
             )
+        last = max((d.row.last_seen_at_ms for d in seen.dispatchers), default=None)
+        silent = last is None or now - last > dispatcher_timeout.total_seconds() * 1000
+        if require_dispatcher and seen.backlog.due and silent:
+            problems.append(
+                f"{seen.backlog.due} operations are due and no dispatcher was seen in the last "
+                f"{dispatcher_timeout.total_seconds():.0f}s"
+                + ("" if last is None else f" (last seen {(now - last) / 1000:.0f}s ago)")
+            )
+        if max_unsendable is not None and seen.backlog.unsendable > max_unsendable:
+            problems.append(
+                f"{seen.backlog.unsendable} pending operations cannot be sent by any "
+                f"dispatcher (threshold {max_unsendable}); see `outbox show`"
+            )
         return StatusReport(
+            watch=seen,
             counts=counts,
             oldest_pending_age_seconds=age,
             unresolved_by_reason=reasons,

@@ -157,7 +157,8 @@ def test_status_table_and_json(shared: World) -> None:
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     assert "outbox status" in out
-    assert {row[0]: int(row[1]) for row in table(out)} == EVERY_STATE_COUNTS
+    states = out.split("oldest pending:")[0]
+    assert {row[0]: int(row[1]) for row in table(states)} == EVERY_STATE_COUNTS
     assert "oldest pending: 0.0s" in out
     assert (
         "reconciliation backlog: 3 (never_delivered=1, outcome_unknown=1, retries_exhausted=1)"
@@ -195,11 +196,18 @@ def test_status_check_exit_codes_follow_the_thresholds(world: World) -> None:
     failing = world.cli("status", "--check")
     assert failing.exit_code == 1
     assert "PROBLEM: 3 unresolved operations (threshold 0)" in failing.stdout
+    # The pending operation is due and no dispatcher ever ran (tests/acceptance/
+    # test_observability.py covers that rule); the thresholds below are tested without it.
+    assert "PROBLEM: 1 operations are due and no dispatcher was seen" in failing.stdout
 
-    assert world.cli("status", "--check", "--max-unresolved", "3").exit_code == 0
+    assert world.cli("status", "--check", "--max-unresolved", "3").exit_code == 1
+    assert world.cli(
+        "status", "--check", "--max-unresolved", "3", "--no-dispatcher-check"
+    ).exit_code == 0
 
     two_hours_later = world.clock.now_ms() + 2 * 3_600_000
-    late = world.cli("status", "--check", "--max-unresolved", "3", "--json", now_ms=two_hours_later)
+    late = world.cli("status", "--check", "--max-unresolved", "3", "--no-dispatcher-check",
+                     "--json", now_ms=two_hours_later)  # fmt: skip
     assert late.exit_code == 1
     data = json.loads(late.stdout)
     assert data["ok"] is False
@@ -217,6 +225,7 @@ def test_status_check_exit_codes_follow_the_thresholds(world: World) -> None:
         "3h",
         "--max-near-expiry",
         "4",
+        "--no-dispatcher-check",
         now_ms=two_hours_later,
     )
     assert relaxed.exit_code == 0, relaxed.stdout
@@ -228,7 +237,7 @@ def test_status_check_exit_codes_follow_the_thresholds(world: World) -> None:
             "--as", "failed", "--note", "checked with the receiver",
         )  # fmt: skip
         assert done.exit_code == 0, done.stderr
-    ok = world.cli("status", "--check")
+    ok = world.cli("status", "--check", "--no-dispatcher-check")
     assert ok.exit_code == 0, ok.stdout
     assert "PROBLEM" not in ok.stdout
     assert "reconciliation backlog: 0" in ok.stdout

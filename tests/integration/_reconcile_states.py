@@ -343,4 +343,10 @@ STATUS_KEYS = {
     "keys_near_expiry",
     "problems",
     "ok",
+    "dispatchers",
+    "live_dispatchers",
+    "endpoints",
+    "due",
+    "unsendable",
+    "attempts_last_hour_by_outcome",
 }

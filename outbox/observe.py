@@ -1,0 +1,166 @@
+"""The dispatcher's instrumentation hooks: one small interface, a no-op by default.
+
+The dispatcher calls these at fixed points (a claim, an attempt, an outcome). Metrics
+(``outbox.metrics``, prometheus_client) and traces (``outbox.tracing``, OpenTelemetry)
+implement them in their own modules, imported only when they are switched on; with
+neither, every hook is an empty method call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from outbox.config import Endpoint
+    from outbox.dispatch import Dispatcher
+    from outbox.model import Reason, State
+    from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
+    from outbox.transport import AttemptResult
+
+
+class Instrumentation(Protocol):
+    """What the dispatcher reports. Hooks must be cheap and must never raise."""
+
+    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+        """The dispatcher's loop runs (called inside it)."""
+
+    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+        """The dispatcher drained and stopped (called inside its loop)."""
+
+    def claimed(
+        self, claimed: Sequence[Claimed], recovered: Sequence[Recovered], started_ns: int
+    ) -> Any:
+        """A claim took operations (``recovered``: attempts closed by lease expiry).
+        ``started_ns`` is when the claim began (``time.time_ns()``). Returns a batch
+        handle passed back to :meth:`attempts_begun` and :meth:`attempt_started`."""
+
+    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+        """A claimed operation was settled without an attempt (window closed)."""
+
+    def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
+        """The batch's attempt rows committed; the batch's own work is done."""
+
+    def attempt_started(
+        self,
+        batch: Any,
+        claimed: Claimed,
+        endpoint: Endpoint,
+        started: StartedAttempt,
+        headers: dict[str, str],
+    ) -> Any:
+        """A request is about to be sent; may add headers (``traceparent``)."""
+
+    def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
+        """The request came back (or failed): ``attempt`` is what attempt_started gave."""
+
+    def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
+        """An attempt's outcome was written (``applied``) or fenced off (not)."""
+
+    def status_lookup(self, endpoint: str, answer: str) -> None:
+        """The receiver answered a status lookup for an unresolved operation."""
+
+
+class NoInstrumentation:
+    """Every hook does nothing."""
+
+    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+        pass
+
+    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+        pass
+
+    def claimed(
+        self, claimed: Sequence[Claimed], recovered: Sequence[Recovered], started_ns: int
+    ) -> Any:
+        return None
+
+    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+        pass
+
+    def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
+        pass
+
+    def attempt_started(
+        self,
+        batch: Any,
+        claimed: Claimed,
+        endpoint: Endpoint,
+        started: StartedAttempt,
+        headers: dict[str, str],
+    ) -> Any:
+        return None
+
+    def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
+        pass
+
+    def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
+        pass
+
+    def status_lookup(self, endpoint: str, answer: str) -> None:
+        pass
+
+
+NOTHING: Instrumentation = NoInstrumentation()
+
+
+class Combined:
+    """Several instrumentations (metrics and traces), called in order."""
+
+    def __init__(self, parts: Sequence[Instrumentation]) -> None:
+        self.parts = tuple(parts)
+
+    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+        for p in self.parts:
+            p.dispatcher_started(dispatcher)
+
+    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+        for p in self.parts:
+            p.dispatcher_stopped(dispatcher)
+
+    def claimed(
+        self, claimed: Sequence[Claimed], recovered: Sequence[Recovered], started_ns: int
+    ) -> Any:
+        return [p.claimed(claimed, recovered, started_ns) for p in self.parts]
+
+    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+        for p in self.parts:
+            p.settled(pk, state, reason, now_ms)
+
+    def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
+        for p, b in zip(self.parts, batch, strict=True):
+            p.attempts_begun(b, started, now_ms)
+
+    def attempt_started(
+        self,
+        batch: Any,
+        claimed: Claimed,
+        endpoint: Endpoint,
+        started: StartedAttempt,
+        headers: dict[str, str],
+    ) -> Any:
+        return [
+            p.attempt_started(b, claimed, endpoint, started, headers)
+            for p, b in zip(self.parts, batch, strict=True)
+        ]
+
+    def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
+        for p, a in zip(self.parts, attempt, strict=True):
+            p.attempt_sent(a, result)
+
+    def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
+        for p in self.parts:
+            p.outcome(out, applied=applied, now_ms=now_ms)
+
+    def status_lookup(self, endpoint: str, answer: str) -> None:
+        for p in self.parts:
+            p.status_lookup(endpoint, answer)
+
+
+def combine(parts: Sequence[Instrumentation]) -> Instrumentation:
+    """One instrumentation for the dispatcher: nothing, the only one, or all in order."""
+    if not parts:
+        return NOTHING
+    if len(parts) == 1:
+        return parts[0]
+    return Combined(parts)
