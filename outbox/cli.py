@@ -390,16 +390,45 @@ def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
     default=None,
     help="Requests on the wire at once (default 32).",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve /metrics (Prometheus), /healthz and /readyz on this port.",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @json_option
 @click.pass_obj
-def dispatch(obj: Context, once: bool, concurrency: int | None, as_json: bool) -> None:
+def dispatch(
+    obj: Context,
+    once: bool,
+    concurrency: int | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    as_json: bool,
+) -> None:
     """Run the dispatcher. SIGTERM or Ctrl-C: stop claiming, finish in-flight work, exit 0."""
 
     def go() -> None:
         ob = obj.outbox()
         if not ob.endpoints:
             raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
-        summary = ob.dispatch_once() if once else ob.run_dispatcher(concurrency=concurrency)
+        server = None
+        if metrics_port is not None:
+            metrics = ob.metrics()
+            from outbox.metrics import serve
+
+            try:
+                server = serve(metrics, host=metrics_host, port=metrics_port)
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}"
+                ) from exc
+        try:
+            summary = ob.dispatch_once() if once else ob.run_dispatcher(concurrency=concurrency)
+        finally:
+            if server is not None:
+                server.close()
         if as_json:
             _emit_json(summary.as_dict())
         else:

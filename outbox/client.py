@@ -39,6 +39,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.model import Operation, State
+from outbox.observe import Instrumentation, combine
 from outbox.store import Store, store_for
 from outbox.store.base import operation_row
 from outbox.store.engine import DEFAULT_URL, create_engine
@@ -46,6 +47,9 @@ from outbox.store.migrate import ensure_schema
 from outbox.transaction import TransactionMethods
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from outbox.metrics import OutboxMetrics
     from outbox.reconcile import Reconciler
 
 #: Engines made by outbox.create_engine: safe to use for our own SQLite writes.
@@ -142,6 +146,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         self.dispatcher_settings = dispatcher or DispatcherSettings()
         self.transport_factory = transport_factory
         self._endpoints: dict[str, Endpoint] = {}
+        self._metrics: OutboxMetrics | None = None
         for endpoint in endpoints:
             self.register(endpoint)
 
@@ -404,6 +409,42 @@ class Outbox(AsyncMethods, TransactionMethods):
 
         return Reconciler(self)
 
+    # -- observability ------------------------------------------------------------
+
+    def metrics(
+        self, *, registry: CollectorRegistry | None = None, cache_seconds: float = 5.0
+    ) -> OutboxMetrics:
+        """Prometheus metrics of this outbox (needs the ``metrics`` extra).
+
+        The first call registers them in ``registry`` (default: prometheus_client's
+        global one) and every dispatcher this outbox starts afterwards records into
+        them; later calls return the same object. Store-backed gauges are read at
+        scrape time, at most every ``cache_seconds``.
+        """
+        if self._metrics is not None:
+            if registry is not None and registry is not self._metrics.registry:
+                raise ConfigurationError("this outbox's metrics are registered elsewhere")
+            return self._metrics
+        try:
+            from outbox.metrics import OutboxMetrics
+        except ImportError as exc:
+            raise ConfigurationError(
+                "metrics need prometheus_client: pip install 'outbox[metrics]'"
+            ) from exc
+        try:
+            self._metrics = OutboxMetrics(self, registry=registry, cache_seconds=cache_seconds)
+        except ValueError as exc:  # duplicated time series in the registry
+            raise ConfigurationError(
+                f"{exc}: another outbox's metrics are in this registry; pass registry="
+            ) from exc
+        return self._metrics
+
+    def _instrumentation(self) -> Instrumentation:
+        parts: list[Instrumentation] = []
+        if self._metrics is not None:
+            parts.append(self._metrics)
+        return combine(parts)
+
     # -- dispatch -----------------------------------------------------------------
 
     def dispatcher(self, settings: DispatcherSettings | None = None) -> Dispatcher:
@@ -414,6 +455,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             settings=settings or self.dispatcher_settings,
             transport_factory=self.transport_factory,
             outbox=self,
+            instrumentation=self._instrumentation(),
         )
 
     async def dispatch_once_async(self) -> DispatchSummary:

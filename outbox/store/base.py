@@ -265,6 +265,8 @@ class Store:
         o.c.first_attempt_at,
         o.c.window_started_at,
         o.c.lease_until,
+        o.c.created_at,
+        o.c.traceparent,
     )
 
     def claim(
@@ -304,6 +306,8 @@ class Store:
                     first_attempt_at=r.first_attempt_at,
                     window_started_at=r.window_started_at,
                     lease_until=r.lease_until,
+                    created_at=r.created_at,
+                    traceparent=r.traceparent,
                 )
                 for r in rows
             ]

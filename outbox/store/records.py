@@ -26,6 +26,10 @@ class Claimed:
     first_attempt_at: int | None
     window_started_at: int | None
     lease_until: int
+    #: When it was enqueued (metrics: enqueue to first attempt, to settled).
+    created_at: int | None = None
+    #: The W3C trace context active at enqueue, when tracing was on.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

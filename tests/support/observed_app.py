@@ -23,7 +23,7 @@ def build() -> Outbox:
     offline = os.environ.get("OUTBOX_TEST_OFFLINE_URL", "http://127.0.0.1:9")
     quick = RetryPolicy(max_attempts=2, window=timedelta(seconds=60), wait=wait_fixed(0.1))
     now = os.environ.get("OUTBOX_TEST_NOW_MS")
-    return Outbox(
+    ob = Outbox(
         os.environ["OUTBOX_TEST_DB"],
         endpoints=[
             Endpoint(name="rx", base_url=receiver, timeout=2.0, retry=quick,
@@ -43,6 +43,11 @@ def build() -> Outbox:
             heartbeat_seconds=float(os.environ.get("OUTBOX_TEST_HEARTBEAT", "0.2")),
         ),
     )  # fmt: skip
+    cache = os.environ.get("OUTBOX_TEST_METRICS_CACHE")
+    if cache is not None:
+        # Registered now, before the command line asks for them, with this cache period.
+        ob.metrics(cache_seconds=float(cache))
+    return ob
 
 
 outbox = build
