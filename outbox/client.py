@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -114,6 +115,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         auto_migrate: bool | None = None,
         dispatcher: DispatcherSettings | None = None,
         transport_factory: TransportFactory | None = None,
+        tracer_provider: Any = None,
     ) -> None:
         if isinstance(db, Engine):
             user_engine = db
@@ -147,6 +149,10 @@ class Outbox(AsyncMethods, TransactionMethods):
         self.transport_factory = transport_factory
         self._endpoints: dict[str, Endpoint] = {}
         self._metrics: OutboxMetrics | None = None
+        # OpenTelemetry (outbox.tracing): this provider, else the global one when an SDK
+        # configured it. The API's no-op provider switches tracing off.
+        self._tracer_provider = tracer_provider
+        self._tracing_off = type(tracer_provider).__name__ == "NoOpTracerProvider"
         for endpoint in endpoints:
             self.register(endpoint)
 
@@ -252,6 +258,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         the batch) take enqueue's one-by-one path: the same result or OperationConflict."""
         conn = self._joined(conn)
         now = self.clock.now_ms()
+        traceparent = self._traceparent()
         inserted = self.store.insert_operations(
             conn,
             [
@@ -261,6 +268,7 @@ class Outbox(AsyncMethods, TransactionMethods):
                     args=args,
                     ordering_key=ordering_key,
                     now_ms=now,
+                    traceparent=traceparent,
                 )
                 for op_id, tenant, ordering_key, args in checked
             ],
@@ -350,6 +358,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             args=args,
             ordering_key=ordering_key,
             now_ms=now,
+            traceparent=self._traceparent(),
         )
         if inserted.created:
             return self._new_operation(
@@ -439,10 +448,27 @@ class Outbox(AsyncMethods, TransactionMethods):
             ) from exc
         return self._metrics
 
+    def _traceparent(self) -> str | None:
+        """The active span's W3C trace context, stored with the operation: only when
+        OpenTelemetry is in use (imported by the application) and not switched off."""
+        if self._tracing_off or "opentelemetry.trace" not in sys.modules:
+            return None
+        from outbox.tracing import current_traceparent
+
+        return current_traceparent()
+
     def _instrumentation(self) -> Instrumentation:
         parts: list[Instrumentation] = []
         if self._metrics is not None:
             parts.append(self._metrics)
+        if not self._tracing_off and (
+            self._tracer_provider is not None or "opentelemetry.trace" in sys.modules
+        ):
+            from outbox.tracing import Tracing, configured
+
+            provider = configured(self._tracer_provider)
+            if provider is not None:
+                parts.append(Tracing(provider))
         return combine(parts)
 
     # -- dispatch -----------------------------------------------------------------

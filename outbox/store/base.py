@@ -135,6 +135,7 @@ class Store:
         args: CanonicalArgs,
         ordering_key: str | None,
         now_ms: int,
+        traceparent: str | None = None,
     ) -> InsertResult:
         """Insert a pending operation, or find the one already stored under the key.
 
@@ -147,6 +148,7 @@ class Store:
             args=args,
             ordering_key=ordering_key,
             now_ms=now_ms,
+            traceparent=traceparent,
         )
         try:
             pk = conn.execute(self._insert_one, values).scalar()
@@ -738,7 +740,13 @@ _ATTEMPT_OUTCOME = (
 
 
 def operation_row(
-    *, tenant: str, operation_id: str, args: CanonicalArgs, ordering_key: str | None, now_ms: int
+    *,
+    tenant: str,
+    operation_id: str,
+    args: CanonicalArgs,
+    ordering_key: str | None,
+    now_ms: int,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     """The row of a new pending operation."""
     return {
@@ -760,6 +768,7 @@ def operation_row(
         "version": 0,
         "created_at": now_ms,
         "updated_at": now_ms,
+        "traceparent": traceparent,
     }
 
 

@@ -11,7 +11,8 @@ Tables in the SQLite file (stable; the soak's checker reads them with plain SQL)
 ``requests``
     One row per non-admin request, written at arrival and updated with its outcome:
     ``seq, arrived_at_ms, method, path, tenant, idempotency_key, request_id,
-    body_sha256, outcome, status`` (``status`` is NULL when no response was sent).
+    body_sha256, outcome, status, traceparent`` (``status`` is NULL when no response was
+    sent; ``traceparent`` is the W3C trace context header, if the request had one).
 ``receipts``
     ``tenant, idempotency_key, payload_hash, state ('processing'|'complete'),
     response_status, response_body, created_at_ms, stuck``.
@@ -118,7 +119,8 @@ CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT,
     body_sha256 TEXT NOT NULL,
     outcome TEXT NOT NULL,
-    status INTEGER
+    status INTEGER,
+    traceparent TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_by_key ON requests (idempotency_key);
 CREATE TABLE IF NOT EXISTS receipts (
@@ -186,6 +188,8 @@ class RequestRecord:
     outcome: str
     #: The response status; None when the connection was dropped or held open.
     status: int | None
+    #: The request's W3C ``traceparent`` header, if any.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,6 +660,7 @@ class _Incoming:
     body: bytes
     body_sha256: str
     arrived_at_ms: int
+    traceparent: str | None = None
 
 
 class _Stopped(Exception):
@@ -829,6 +834,7 @@ class _Service:
             body=body,
             body_sha256=hashlib.sha256(body).hexdigest(),
             arrived_at_ms=_now_ms(),
+            traceparent=headers.get("traceparent"),
         )
 
     # ---------------------------------------------------------------- request log
@@ -839,7 +845,8 @@ class _Service:
     ) -> int:
         cur = conn.execute(
             "INSERT INTO requests (arrived_at_ms, method, path, tenant, idempotency_key,"
-            " request_id, body_sha256, outcome, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " request_id, body_sha256, outcome, status, traceparent)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 req.arrived_at_ms,
                 req.method,
@@ -850,6 +857,7 @@ class _Service:
                 req.body_sha256,
                 outcome,
                 status,
+                req.traceparent,
             ),
         )
         assert cur.lastrowid is not None
@@ -1393,6 +1401,7 @@ class _Oracle:
                 body_sha256=r["body_sha256"],
                 outcome=r["outcome"],
                 status=r["status"],
+                traceparent=r["traceparent"],
             )
             for r in rows
         ]
