@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from outbox.errors import ConcurrentModification, OperatorActionRefused, ValidationError
+from outbox import lookup
+from outbox.errors import (
+    ConcurrentModification,
+    ConfigurationError,
+    OperationNotFound,
+    OperatorActionRefused,
+    ValidationError,
+)
 from outbox.model import Action, Delivery, Operation, Reason, State, Verdict
 from outbox.reconcile import Reconciler, StatusReport, _check_actor, _check_note, default_operator
 from outbox.store import browse as sql
@@ -279,7 +286,39 @@ class BulkReport:
         return out
 
 
-BULK_ACTIONS = ("resolve", "requeue", "cancel")
+BULK_ACTIONS = ("resolve", "requeue", "cancel", "probe")
+
+
+def probe_refusal(outbox: Outbox, op: Operation) -> str | None:
+    """Why :func:`outbox.lookup.probe` would not look ``op`` up, or None if it would."""
+    if op.state is not State.UNRESOLVED:
+        return f"operation {op.operation_id!r} is {op.state.value}, not unresolved"
+    return lookup._skip_reason(outbox, op)
+
+
+def _probe_one(
+    outbox: Outbox, tenant: str, operation_id: str, version: int, *, dry_run: bool
+) -> BulkItem:
+    op = outbox.get(operation_id, tenant=tenant)
+    if op.version != version:
+        raise ConcurrentModification(
+            f"operation {operation_id!r} changed since it was shown (version {version}, "
+            f"now {op.version}: {op.state.value}); nothing was looked up"
+        )
+    refusal = probe_refusal(outbox, op)
+    if refusal is not None:
+        raise OperatorActionRefused(f"cannot probe {operation_id!r}: {refusal}")
+    if dry_run:
+        return BulkItem(tenant, operation_id, version, "would apply", "would ask the receiver")
+    outcome = lookup.probe(outbox, operation_id, tenant=tenant)
+    return BulkItem(
+        tenant,
+        operation_id,
+        version,
+        "applied",
+        f"{outcome.action.value}, now {outcome.state.value}: {outcome.detail}",
+        outcome.state.value,
+    )
 
 
 def bulk_action(
@@ -302,12 +341,16 @@ def bulk_action(
         raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
     if action == "resolve" and outcome not in ("succeeded", "failed"):
         raise ValidationError("resolve needs an outcome: succeeded or failed")
-    _check_note(note)
+    if action != "probe":  # a probe's settlement is audited with the receiver's answer
+        _check_note(note)
     _check_actor(operator)
     items = []
     for tenant, operation_id, version in targets:
         rec = GuardedReconciler(outbox, expected_version=version, dry_run=dry_run)
         try:
+            if action == "probe":
+                items.append(_probe_one(outbox, tenant, operation_id, version, dry_run=dry_run))
+                continue
             if action == "resolve":
                 op = rec.resolve(
                     operation_id,
@@ -326,9 +369,9 @@ def bulk_action(
                 )
             else:
                 op = rec.cancel(operation_id, tenant=tenant, note=note, operator=operator)
-        except ConcurrentModification as exc:
+        except (ConcurrentModification, OperationNotFound) as exc:
             items.append(BulkItem(tenant, operation_id, version, "conflict", str(exc)))
-        except (OperatorActionRefused, ValidationError) as exc:
+        except (OperatorActionRefused, ValidationError, ConfigurationError) as exc:
             items.append(BulkItem(tenant, operation_id, version, "refused", str(exc)))
         else:
             verb = "would become" if dry_run else "now"

@@ -16,6 +16,7 @@ from outbox.browse import (
     GuardedReconciler,
     OperationFilter,
     bulk_action,
+    probe_refusal,
 )
 from outbox.console import render
 from outbox.console.app import Console, in_thread, op_link, query_url
@@ -288,8 +289,7 @@ class Views:
                     out["requeue_risk"] = Reconciler(self.outbox).requeue_risk(op).note
                 except OperatorActionRefused:
                     pass
-            endpoint = self.outbox.endpoints.get(op.endpoint)
-            out["probe"] = endpoint is not None and endpoint.status_lookup is not None
+            out["probe"] = probe_refusal(self.outbox, op) is None
         if op.state is State.PENDING:
             try:
                 dry.cancel(op.operation_id, **kw)

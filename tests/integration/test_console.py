@@ -611,17 +611,61 @@ def test_bulk_refusals_change_nothing(shared: World) -> None:
 # -- probe --------------------------------------------------------------------------------
 
 
-def test_probe_asks_the_receiver_and_settles_what_it_answers(
-    db_url: str, receiver: Receiver
-) -> None:
-    endpoint = Endpoint(
+def _lookup_endpoint(url: str) -> Endpoint:
+    return Endpoint(
         name="rx",
-        base_url=receiver.url,
+        base_url=url,
         timeout=1.0,
         retry=RetryPolicy(max_attempts=1, window=timedelta(seconds=30)),
         key_retention=timedelta(hours=1),
         status_lookup=StatusLookup(on_unresolved=False),
     )
+
+
+def test_bulk_probe_previews_then_settles_each_by_the_receivers_answer(
+    db_url: str, receiver: Receiver
+) -> None:
+    receiver.faults.drop_after_commit(key="op-applied", times=1)
+    receiver.faults.fail_before_work(503, key="op-refused", retry_after=None, times=None)
+    with Outbox(db_url, endpoints=[_lookup_endpoint(receiver.url)], clock=FakeClock()) as ob:
+        for op_id in ("op-applied", "op-refused"):
+            ob.enqueue(
+                endpoint="rx",
+                method="POST",
+                path="/reservations",
+                json={"id": op_id},
+                operation_id=op_id,
+            )
+        ob.dispatch_once()
+        receiver.faults.clear()
+        assert {ob.get(i).state.value for i in ("op-applied", "op-refused")} == {"unresolved"}
+        c = client(ob)
+        csrf = csrf_of(c.get("/queue").text)
+        before = S.table_rows(ob.engine)
+        r = c.post(
+            "/bulk",
+            data={"csrf": csrf, "step": "preview", "view": "queue", "action": "probe", "note": ""},
+        )
+        assert r.status_code == 200 and "would apply: 2" in r.text
+        assert S.table_rows(ob.engine) == before
+        targets = re.findall(r'name="target" value="([^"]+)"', r.text)
+        r = c.post(
+            "/bulk",
+            data={"csrf": csrf, "step": "apply", "action": "probe", "note": "", "target": targets},
+        )
+        assert r.status_code == 200 and "applied: 2" in r.text
+        assert "resolved_succeeded" in r.text and "requeued" in r.text
+        assert ob.get("op-applied").state.value == "succeeded"
+        assert ob.get("op-refused").state.value == "pending"
+        assert receiver.effect_count(key="op-applied") == 1
+        assert receiver.effect_count(key="op-refused") == 0
+        assert {a["actor"] for a in S.audit_rows(ob.engine)} == {"status-lookup"}
+
+
+def test_probe_asks_the_receiver_and_settles_what_it_answers(
+    db_url: str, receiver: Receiver
+) -> None:
+    endpoint = _lookup_endpoint(receiver.url)
     receiver.faults.drop_after_commit(key="op-probed", times=1)
     with Outbox(db_url, endpoints=[endpoint], clock=FakeClock()) as ob:
         ob.enqueue(
