@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, MutableHeaders
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from outbox import __version__
 from outbox.console import render
 from outbox.console.auth import Credentials, Session, Sessions
+from outbox.errors import StoreError
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
@@ -211,9 +213,25 @@ class Console:
             session = self.session_of(request)
             if session is None:
                 return self.login_page(request, status=401)
-            return await fn(request, session)
+            return await self.guarded(session, fn(request, session))
 
         return handler
+
+    async def guarded(self, session: Session, work: Awaitable[Response]) -> Response:
+        """A database failure as a page (503), never a traceback; nothing half-done: every
+        write is one transaction in the library."""
+        try:
+            return await work
+        except (StoreError, SQLAlchemyError) as exc:
+            detail = exc.orig if isinstance(exc, DBAPIError) else exc
+            return self.message(
+                session,
+                status=503,
+                heading="The database failed",
+                message=f"{type(exc).__name__}: {detail}. Nothing was changed by this request.",
+                link="/",
+                link_text="Back to the overview",
+            )
 
     def writer(self, fn: Callable[[Request, Session, FormData], Awaitable[Response]]) -> Handler:
         """A POST handler that changes state: session (401), not read-only (403), the
@@ -235,7 +253,7 @@ class Console:
             form = await read_form(request)
             if not session.csrf_ok(_str(form.get("csrf"))) or not same_origin(request):
                 return self.csrf_refusal(session)
-            return await fn(request, session, form)
+            return await self.guarded(session, fn(request, session, form))
 
         return handler
 

@@ -490,6 +490,19 @@ def test_a_large_body_is_shown_cut_with_its_size(db_url: str, receiver: Receiver
         assert shown and len(html.unescape(shown.group(1))) == 65536
 
 
+def test_a_database_failure_is_a_503_page_not_a_traceback(tmp_path: Path) -> None:
+    from sqlalchemy import text
+
+    with Outbox(f"sqlite:///{tmp_path / 'o.sqlite3'}") as ob:
+        c = client(ob)
+        assert c.get("/audit").status_code == 200
+        with ob.engine.begin() as conn:  # a real fault: the table is gone
+            conn.execute(text("DROP TABLE outbox_audit"))
+        r = c.get("/audit")
+        assert r.status_code == 503 and "The database failed" in r.text
+        assert "no such table" in r.text and "Traceback" not in r.text
+
+
 def test_read_only_console_shows_no_action_and_refuses_every_post(shared: World) -> None:
     c = client(shared.ob, read_only=True)
     page = c.get(op_path(LOST)).text
