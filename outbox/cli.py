@@ -674,7 +674,7 @@ def console_command(
     def go() -> None:
         try:
             from outbox.console.auth import Credentials
-            from outbox.console.server import check_bind, serve
+            from outbox.console.server import check_bind, open_existing, serve
         except ImportError as exc:
             raise click.UsageError(
                 f"outbox console needs the console extra: pip install 'outbox[console]' ({exc})"
@@ -685,7 +685,9 @@ def console_command(
         credentials = Credentials.configured(token_file=token_file, default_name=name)
         check_bind(host, allow_remote=allow_remote, credentials=credentials)
         if obj.app is None:
-            obj._outbox = _existing_outbox(obj.db)
+            if not obj.db:
+                raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL")
+            obj._outbox = open_existing(obj.db)
         ob = obj.outbox()
         serve(
             ob,
@@ -697,25 +699,6 @@ def console_command(
         )
 
     run_guarded(go)
-
-
-def _existing_outbox(db: str | None) -> Outbox:
-    """An Outbox on a database that must already hold the schema (never creates one)."""
-    from pathlib import Path
-
-    from sqlalchemy.engine import make_url
-
-    if not db:
-        raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL (or --app)")
-    try:
-        url = make_url(db)
-    except Exception as exc:
-        raise click.UsageError(f"--db is not a database URL: {exc}") from exc
-    database = url.database
-    is_file_db = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
-    if is_file_db and not Path(str(database)).is_file():
-        raise click.UsageError(f"no SQLite database at {database}")
-    return Outbox(db, auto_migrate=False)
 
 
 # -- receiver conformance check and status lookups ------------------------------------------

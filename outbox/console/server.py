@@ -42,6 +42,26 @@ def check_bind(host: str, *, allow_remote: bool, credentials: Credentials | None
         )
 
 
+def open_existing(db: str) -> Outbox:
+    """An Outbox on a database that already holds the schema (never creates one)."""
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from outbox.client import Outbox
+
+    try:
+        url = make_url(db)
+    except ArgumentError as exc:
+        raise ConfigurationError(f"--db is not a database URL: {exc}") from exc
+    database = url.database
+    is_file_db = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
+    if is_file_db and not Path(str(database)).is_file():
+        raise ConfigurationError(f"no SQLite database at {database}")
+    return Outbox(db, auto_migrate=False)
+
+
 def serve(
     outbox: Outbox,
     *,

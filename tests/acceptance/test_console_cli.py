@@ -73,6 +73,8 @@ def test_bad_credentials_and_missing_databases_are_one_line_usage_errors(tmp_pat
     db = tmp_path / "absent.sqlite3"
     code, out = run("--db", f"sqlite:///{db}", "console")
     assert code == 2 and "no SQLite database at" in out and not db.exists()
+    code, out = run("--db", "not a url", "console")
+    assert code == 2 and "not a database URL" in out and len(out.strip().splitlines()) == 1
     short = tmp_path / "short"
     short.write_text("alice:tooshort\n")
     code, out = run("--db", f"sqlite:///{db}", "console", "--token-file", str(short))
