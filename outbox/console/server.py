@@ -54,7 +54,7 @@ def open_existing(db: str) -> Outbox:
     try:
         url = make_url(db)
     except ArgumentError as exc:
-        raise ConfigurationError(f"--db is not a database URL: {exc}") from exc
+        raise ConfigurationError(f"--db is not a database URL: {exc}") from None
     database = url.database
     is_file_db = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
     if is_file_db and not Path(str(database)).is_file():
