@@ -19,6 +19,7 @@ import httpx
 import pytest
 import structlog
 from click.testing import CliRunner, Result
+from prometheus_client import CollectorRegistry
 from tenacity import wait_fixed
 
 from outbox import Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State
@@ -426,6 +427,8 @@ def test_dispatcher_looks_up_an_operation_as_it_becomes_unresolved(
     make_ob: MakeOutbox, receiver: Receiver
 ) -> None:
     ob = make_ob(status_lookup=StatusLookup())
+    registry = CollectorRegistry()
+    ob.metrics(registry=registry)
     receiver.faults.hang_after_commit(key="auto-applied", replays=True)
     receiver.faults.fail_before_work(503, retry_after=None, key="auto-refused")
     _enqueue(ob, "auto-applied")
@@ -445,3 +448,11 @@ def test_dispatcher_looks_up_an_operation_as_it_becomes_unresolved(
     assert [(e.actor, e.action) for e in evidence] == [(ACTOR, "lookup")]
     assert "never applied" in evidence[0].note
     assert receiver.effect_count(key="auto-refused") == 0
+    # One lookup each, counted by answer.
+    answers = {
+        answer: registry.get_sample_value(
+            "outbox_status_lookups_total", {"endpoint": "rx", "answer": answer}
+        )
+        for answer in ("applied", "not_applied", "unknown")
+    }
+    assert answers == {"applied": 1.0, "not_applied": 1.0, "unknown": None}
