@@ -106,6 +106,21 @@ class Tracing:
         started: StartedAttempt,
         headers: dict[str, str],
     ) -> Any:
+        # The attempt row is committed and the request about to leave: a tracing
+        # failure must not stop it (it would leave the attempt open, "maybe sent").
+        try:
+            return self._start(batch, claimed, endpoint, started, headers)
+        except Exception:
+            return None
+
+    def _start(
+        self,
+        batch: Any,
+        claimed: Claimed,
+        endpoint: Endpoint,
+        started: StartedAttempt,
+        headers: dict[str, str],
+    ) -> Any:
         base = urlsplit(endpoint.base_url)
         path = claimed.path.split("?", 1)[0]  # the query may carry values: left out
         attributes: dict[str, Any] = {
@@ -135,6 +150,8 @@ class Tracing:
         return span
 
     def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
+        if attempt is None:
+            return
         span = attempt
         cls = result.classification
         span.set_attribute("outbox.delivery", cls.delivery.value)

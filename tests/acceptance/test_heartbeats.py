@@ -183,3 +183,35 @@ def test_heartbeat_rows_of_long_gone_dispatchers_are_pruned(db_url: str) -> None
         assert [r.id for r in monitoring.list_dispatchers(ob.store)] == ["new"]
     finally:
         ob.close()
+
+
+def test_check_fails_while_a_pending_operation_cannot_be_sent(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pending operation with ``last_error`` set (no dispatcher can send it, e.g. its
+    endpoint is registered nowhere) fails ``--check`` and is counted per endpoint."""
+    from sqlalchemy import update
+
+    from outbox.store.tables import operations
+
+    monkeypatch.setenv("OUTBOX_TEST_DB", db_url)
+    now = 1_800_000_000_000
+    monkeypatch.setenv("OUTBOX_TEST_NOW_MS", str(now))
+    with observed_app.build() as app:
+        app.enqueue(endpoint="rx", method="POST", path="/x", operation_id="stranded")
+        code, data = _status(db_url, now, "--check", "--no-dispatcher-check")
+        assert (code, data["unsendable"]) == (0, 0)
+        with app.store.write() as conn:
+            conn.execute(
+                update(operations)
+                .where(operations.c.operation_id == "stranded")
+                .values(last_error="endpoint 'rx' is not registered in any dispatcher")
+            )
+    code, data = _status(db_url, now, "--check", "--no-dispatcher-check")
+    assert code == 1
+    assert data["unsendable"] == 1
+    assert data["endpoints"]["rx"]["unsendable"] == 1  # type: ignore[index]
+    assert data["problems"] == [
+        "1 pending operations cannot be sent by any dispatcher (threshold 0); "
+        "see `outbox show`"
+    ]
