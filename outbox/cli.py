@@ -288,6 +288,9 @@ def _render_watch(watch: Watch) -> None:
                 str(e["unsendable"]),
             )
         out.print(table)
+    if not watch.dispatchers:
+        out.print("dispatchers: none seen (`outbox dispatch` writes a heartbeat every few seconds)")
+        return
     table = Table(title=f"dispatchers ({len(watch.live)} live)")
     for column in ("id", "state", "host", "pid", "in flight", "last seen", "started"):
         table.add_column(column)

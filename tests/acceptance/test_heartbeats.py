@@ -139,6 +139,13 @@ def test_killed_dispatcher_becomes_lost_and_check_fails_with_due_work(
             "1 operations are due and no dispatcher was seen in the last 30s "
             "(last seen 30s ago)"
         ]
+        human = CliRunner().invoke(
+            main, ["--app", APP, "status"],
+            env=_env(db_url, OUTBOX_TEST_NOW_MS=str(seen + 30_001)), catch_exceptions=False,
+        )  # fmt: skip
+        rows = [line for line in human.stdout.splitlines() if f"│ {proc.pid} " in line]
+        assert len(rows) == 1 and "│ lost " in rows[0] and "30.0s ago" in rows[0], human.stdout
+        assert "dispatchers (0 live)" in human.stdout
         # The timeout is the operator's: --dispatcher-timeout.
         code, data = _status(
             db_url, seen + 30_001, "--check", "--max-pending-age", "1h",
