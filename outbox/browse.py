@@ -22,19 +22,17 @@ from outbox.errors import (
     OperatorActionRefused,
     ValidationError,
 )
-from outbox.model import Action, Delivery, Operation, Reason, State, Verdict
+from outbox.model import Action, Operation, Reason, State
 from outbox.reconcile import Reconciler, StatusReport, _check_actor, _check_note, default_operator
+from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
 from outbox.store.base import AuditRecord
-from outbox.store.browse import DispatcherRow
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
 
 T = TypeVar("T")
 
-#: A dispatcher whose heartbeat is older than this is shown as not alive.
-DISPATCHER_STALE_AFTER = timedelta(seconds=60)
 MAX_PAGE = 500
 
 
@@ -90,33 +88,15 @@ class Facets:
 
 
 @dataclass(frozen=True)
-class EndpointBacklog:
-    endpoint: str
-    due: int
-    oldest_due_age_seconds: float
-
-
-@dataclass(frozen=True)
 class Overview:
+    """``outbox status``'s report (counts, reasons, per-endpoint backlog, attempts by
+    outcome, dispatchers as live, stopped or lost), for the console's first page."""
+
     status: StatusReport
-    due: list[EndpointBacklog]
-    #: Attempts started in the last hour by outcome (see :func:`outcome_label`).
-    attempts_last_hour: dict[str, int]
-    dispatchers: list[DispatcherRow]
-    dispatchers_alive: int
+    watch: Watch
+    dispatcher_timeout: timedelta
     endpoints_registered: list[str]
     now_ms: int
-
-
-def outcome_label(delivery: str | None, verdict: str | None) -> str:
-    """One word for an attempt's outcome, as the overview counts them."""
-    if delivery is None:
-        return "open"
-    if delivery == Delivery.NOT_SENT.value:
-        return "not_sent"
-    if delivery == Delivery.UNKNOWN.value:
-        return "unknown"
-    return verdict or Verdict.RETRY.value
 
 
 class Browser:
@@ -184,24 +164,14 @@ class Browser:
         return Facets(endpoints, tenants, actors)
 
     def overview(self) -> Overview:
+        timeout = DEFAULT_DISPATCHER_TIMEOUT
+        report = Reconciler(self.outbox).status(dispatcher_timeout=timeout)
         now = self.outbox.clock.now_ms()
-        outcomes: dict[str, int] = {}
-        for delivery, verdict, n in sql.attempt_outcomes_since(self.store, now - 3_600_000):
-            label = outcome_label(delivery, verdict)
-            outcomes[label] = outcomes.get(label, 0) + n
-        rows = sql.dispatcher_rows(self.store)
-        stale = now - int(DISPATCHER_STALE_AFTER.total_seconds() * 1000)
+        seen = report.watch or watch(self.outbox, now_ms=now, dispatcher_timeout=timeout)
         return Overview(
-            status=Reconciler(self.outbox).status(),
-            due=[
-                EndpointBacklog(d.endpoint, d.due, max(0, now - d.oldest_due_ms) / 1000)
-                for d in sql.due_backlog(self.store, now)
-            ],
-            attempts_last_hour=dict(sorted(outcomes.items())),
-            dispatchers=rows,
-            dispatchers_alive=sum(
-                1 for r in rows if r.stopped_at_ms is None and r.last_seen_at_ms >= stale
-            ),
+            status=report,
+            watch=seen,
+            dispatcher_timeout=timeout,
             endpoints_registered=sorted(self.outbox.endpoints),
             now_ms=now,
         )

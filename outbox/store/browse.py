@@ -1,10 +1,10 @@
-"""Read-only SQL for browsing an outbox: filtered pages with totals, the audit log, and
-the overview's aggregates. Used by :mod:`outbox.browse` (the web console's library)."""
+"""Read-only SQL for browsing an outbox: filtered pages with totals and the audit log.
+Used by :mod:`outbox.browse` (the web console's library); the overview's aggregates are
+``outbox status``'s own (:mod:`outbox.store.monitoring`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +12,9 @@ from sqlalchemy import func, select
 
 from outbox.model import Operation, Reason, State
 from outbox.store.base import AuditRecord, Store, _operation
-from outbox.store.tables import attempts, audit, dispatchers, operations
+from outbox.store.tables import audit, operations
 
 o = operations
-a = attempts
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,26 +35,6 @@ class AuditQuery:
     since_ms: int | None = None
     until_ms: int | None = None
     operation_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DueBacklog:
-    endpoint: str
-    due: int
-    oldest_due_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class DispatcherRow:
-    id: str
-    host: str
-    pid: int
-    version: str
-    concurrency: int
-    in_flight: int
-    started_at_ms: int
-    last_seen_at_ms: int
-    stopped_at_ms: int | None
 
 
 def _where(query: Any, q: OperationQuery) -> Any:
@@ -143,50 +122,3 @@ def distinct_values(store: Store) -> tuple[list[str], list[str], list[str]]:
             )
         ]
     return endpoints, tenants, actors
-
-
-def due_backlog(store: Store, now_ms: int) -> list[DueBacklog]:
-    """Pending operations already due, per endpoint, with the oldest due time."""
-    with store.read() as conn:
-        rows = conn.execute(
-            select(
-                o.c.endpoint, func.count().label("n"), func.min(o.c.next_attempt_at).label("oldest")
-            )
-            .where(o.c.state == State.PENDING.value, o.c.next_attempt_at <= now_ms)
-            .group_by(o.c.endpoint)
-            .order_by(o.c.endpoint)
-        ).all()
-    return [DueBacklog(r.endpoint, int(r.n), int(r.oldest)) for r in rows]
-
-
-def attempt_outcomes_since(store: Store, since_ms: int) -> list[tuple[str | None, str | None, int]]:
-    """(delivery, verdict, count) of the attempts started since ``since_ms``."""
-    with store.read() as conn:
-        rows = conn.execute(
-            select(a.c.delivery, a.c.verdict, func.count().label("n"))
-            .where(a.c.started_at >= since_ms)
-            .group_by(a.c.delivery, a.c.verdict)
-        ).all()
-    return [(r.delivery, r.verdict, int(r.n)) for r in rows]
-
-
-def dispatcher_rows(store: Store, limit: int = 100) -> list[DispatcherRow]:
-    """Dispatcher heartbeat rows, most recently seen first."""
-    with store.read() as conn:
-        rows: Sequence[Any] = conn.execute(
-            select(dispatchers).order_by(dispatchers.c.last_seen_at.desc()).limit(limit)
-        ).all()
-    return [
-        DispatcherRow(
-            id=r.id,
-            host=r.host,
-            pid=r.pid,
-            version=r.version,
-            concurrency=r.concurrency,
-            in_flight=r.in_flight,
-            started_at_ms=r.started_at,
-            last_seen_at_ms=r.last_seen_at,
-            stopped_at_ms=r.stopped_at,
-        )
-        for r in rows
-    ]

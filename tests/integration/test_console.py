@@ -176,6 +176,9 @@ def test_overview_counts_states_reasons_backlog_and_attempts(shared: World) -> N
         assert f"/queue?reason={reason}" in page
     assert "3 unresolved operations" in text
     assert "Attempts in the last hour" in page and "unknown" in text and "success" in text
+    # The per-endpoint backlog: the in-flight and unresolved operations of each endpoint.
+    offline = re.search(r"<td>offline</td>(.*?)</tr>", page, re.S)
+    assert offline and re.findall(r">([^<]*)</td>", offline.group(1))[3] == "1"  # unresolved
     assert "No dispatcher has reported" in page
 
 
@@ -212,8 +215,10 @@ def test_overview_lists_dispatcher_heartbeats_when_there_are_any(world: World) -
             ],
         )
     page = client(world.ob).get("/").text
-    assert "1 alive (heartbeat in the last minute)" in page
-    assert "vm:1:live" in page and "vm:2:gone" in page and "5/32" in page
+    assert "<strong>1 live</strong> (heartbeat within 30s)" in page
+    assert re.search(r'vm:1:live</td><td><span class="pill dispatcher-live">live<', page)
+    assert re.search(r'vm:2:gone</td><td><span class="pill dispatcher-lost">lost<', page)
+    assert "5/32" in page
 
 
 def test_queue_lists_only_unresolved_with_totals_filters_and_paging(shared: World) -> None:
