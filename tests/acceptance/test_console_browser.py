@@ -51,7 +51,7 @@ def require_browser() -> None:
 
 
 @contextmanager
-def chromium_page() -> Iterator[Any]:
+def chromium_page(*, javascript: bool = True) -> Iterator[Any]:
     """A fresh page in headless Chromium; fails the test if the page logged an error (a
     CSP violation, a missing asset). Opened after the test's set-up: Playwright's sync
     API runs an event loop in this thread, so no asyncio.run() may start meanwhile."""
@@ -62,7 +62,9 @@ def chromium_page() -> Iterator[Any]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
-            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            context = browser.new_context(
+                viewport={"width": 1280, "height": 900}, java_script_enabled=javascript
+            )
             tab = context.new_page()
             tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             tab.on("pageerror", lambda e: errors.append(str(e)))
@@ -101,7 +103,8 @@ def test_sign_in_filter_the_queue_open_an_operation_and_resolve_it(tmp_path: Pat
     db_url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
     with Receiver(tmp_path / "receiver.sqlite3") as rx, S.every_state_world(World, db_url, rx):
         pass  # every state reached through real dispatches; the console reads the file
-    with console_process("--db", db_url) as console, chromium_page() as page:
+    # JavaScript off: every page and form must work without it.
+    with console_process("--db", db_url) as console, chromium_page(javascript=False) as page:
         sign_in(page, console.url, console.token())
         assert page.inner_text(".tile.state-unresolved .n") == "3"
         page.click("nav >> text=Reconciliation queue")
@@ -169,4 +172,32 @@ def test_the_readme_walkthrough_settles_the_demos_unresolved_operation(tmp_path:
         "resolve",
         "succeeded",
         "reservation found in the inventory admin",
+    )
+
+
+def test_a_bulk_action_previews_then_applies_in_the_browser(tmp_path: Path) -> None:
+    require_browser()
+    db_url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    with Receiver(tmp_path / "receiver.sqlite3") as rx, S.every_state_world(World, db_url, rx):
+        pass
+    with console_process("--db", db_url) as console, chromium_page(javascript=False) as page:
+        sign_in(page, console.url, console.token())
+        page.goto(console.url + "/queue?tenant=acme")
+        assert page.inner_text("#total") == "1"
+        page.click("details.bulk summary")
+        page.select_option("details.bulk select[name=action]", "resolve")
+        page.select_option("details.bulk select[name=outcome]", "failed")
+        page.fill("details.bulk textarea[name=note]", "supplier confirmed nothing was reserved")
+        page.click("button:has-text('Preview')")
+        page.wait_for_selector("table.bulk")
+        assert "would apply: 1" in page.inner_text(".summary")
+        assert audit_rows(db_url, S.BUSY.operation_id) == []  # the preview wrote nothing
+        page.click("button:has-text('Apply to 1')")
+        page.wait_for_selector("text=Bulk resolve: done")
+        assert "applied: 1" in page.inner_text(".summary")
+    [row] = audit_rows(db_url, S.BUSY.operation_id)
+    assert (row["action"], row["to_state"], row["note"]) == (
+        "resolve",
+        "failed",
+        "supplier confirmed nothing was reserved",
     )
