@@ -123,17 +123,26 @@ def test_transaction_refuses_what_is_not_a_connection(ob: Outbox) -> None:
 
 
 def test_enqueue_on_a_connection_to_another_kind_of_database_is_refused(
-    ob: Outbox, engine: sa.Engine, tmp_path: Any, db_url: str
+    pg_url: str, sqlite_url: str
 ) -> None:
-    if engine.dialect.name == "sqlite":
-        pytest.skip("needs a second kind of database: the PostgreSQL variant runs it")
-    foreign = sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    from outbox.store.migrate import upgrade
+
+    pg = outbox.create_engine(pg_url)
+    upgrade(pg)
+    lite = outbox.create_engine(sqlite_url)
     try:
-        with foreign.begin() as conn, pytest.raises(ValidationError, match="sqlite database"):
-            ob.enqueue(**ARGS, connection=conn)
+        with (
+            Outbox(pg, endpoints=[INVENTORY]) as on_pg,
+            Outbox(lite, endpoints=[INVENTORY]) as on_sqlite,
+        ):
+            for box, other, kind in ((on_pg, lite, "sqlite"), (on_sqlite, pg, "postgresql")):
+                with other.begin() as conn, pytest.raises(ValidationError, match=kind):
+                    box.enqueue(**ARGS, connection=conn)
+            assert on_pg.find("order-17-reserve") is None
+            assert on_sqlite.find("order-17-reserve") is None
     finally:
-        foreign.dispose()
-    assert stored(db_url) == ([], [])
+        pg.dispose()
+        lite.dispose()
 
 
 # -- SQLite: own-transaction enqueue while this thread holds the write lock ---------
