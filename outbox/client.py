@@ -236,6 +236,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         self._refuse_if_caller_holds_the_lock()
         with self.store.write() as conn:
             yield conn
+        self.store.announce()  # committed: wake this process's dispatchers (SQLite)
 
     def _refuse_if_caller_holds_the_lock(self) -> None:
         if self.store.caller_holds_write_lock():

@@ -177,8 +177,15 @@ class DispatcherSettings:
     lease_seconds: float | None = None
     #: A request is sent only if the lease has at least timeout + this much left.
     lease_margin_seconds: float = 2.0
-    #: Sleep between claims when nothing was due.
-    idle_poll_seconds: float = 0.25
+    #: The safety-net poll: the longest an idle dispatcher waits before claiming again.
+    #: It also wakes for the earliest due time it knows of (a scheduled retry, an
+    #: expiring lease), and at once when work is enqueued (``wake_on_change``).
+    idle_poll_seconds: float = 5.0
+    #: Wake when work is enqueued: PostgreSQL LISTEN/NOTIFY; SQLite in-process signals
+    #: and a ``PRAGMA data_version`` check. False: poll only (set a short poll then).
+    wake_on_change: bool = True
+    #: SQLite: how often the ``data_version`` check runs (enqueues by other processes).
+    change_check_seconds: float = 0.005
     #: Identifies this dispatcher in attempts and leases (default: host:pid:random).
     dispatcher_id: str | None = None
     #: How often a running dispatcher writes its heartbeat row (``outbox status``).
@@ -193,6 +200,8 @@ class DispatcherSettings:
             raise ConfigurationError("lease_seconds must be positive")
         if not self.heartbeat_seconds > 0:
             raise ConfigurationError("heartbeat_seconds must be positive")
+        if not self.idle_poll_seconds > 0 or not self.change_check_seconds > 0:
+            raise ConfigurationError("idle_poll_seconds and change_check_seconds must be positive")
 
     def lease_for(self, endpoints: Mapping[str, Endpoint]) -> float:
         longest = max((e.timeout for e in endpoints.values()), default=10.0)

@@ -32,6 +32,7 @@ from outbox.policy import decide, reason_from_history
 from outbox.store.base import Store
 from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
 from outbox.transport import AttemptResult, build_client, request_headers, send_attempt
+from outbox.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
@@ -133,6 +134,19 @@ class Dispatcher:
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
+        #: What wakes this dispatcher when idle (see outbox.wakeup); ``wakeup.stats``
+        #: counts claims and wake-ups, ``wakeup.hooks`` observes them.
+        self.wakeup = Wakeup(
+            store.change_source(
+                application_name=f"outbox-listener {self.dispatcher_id}",
+                interval=settings.change_check_seconds,
+            )
+            if settings.wake_on_change
+            else None,
+            clock=clock,
+            poll_seconds=settings.idle_poll_seconds,
+        )
+        self._claimed_none = False
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -184,6 +198,8 @@ class Dispatcher:
         writer = asyncio.create_task(self._write_outcomes())
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
+        if not once:
+            await self.wakeup.start()
         self._log.info(
             "dispatcher_started",
             concurrency=self.settings.concurrency,
@@ -201,7 +217,12 @@ class Dispatcher:
                     continue
                 try:
                     await self._maybe_sync_clock()
+                    self.wakeup.before_claim()
                     started = await self._claim_and_start(min(free, self.settings.batch_size))
+                    if self._claimed_none and not once:
+                        self.wakeup.next_due(
+                            await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
+                        )
                 except (StoreError, DBAPIError) as exc:
                     # Locked, read-only or unreachable: nothing was claimed (or the claim's
                     # lease will simply expire). Back off and try again; never crash.
@@ -220,9 +241,10 @@ class Dispatcher:
                     task.add_done_callback(self._tasks.discard)
                 if once:
                     break
-                if not started:
-                    await _wait_any(stop, timeout=self.settings.idle_poll_seconds)
+                if self._claimed_none:
+                    await self.wakeup.wait(stop)
         finally:
+            await self.wakeup.close()
             # Graceful stop: no new claims; requests on the wire finish (each bounded by
             # its deadline) and their outcomes are written before we return.
             if self._tasks:
@@ -256,6 +278,8 @@ class Dispatcher:
             lease_ms=int(self.lease_seconds * 1000),
             limit=limit,
         )
+        self._claimed_none = not claimed
+        self.wakeup.after_claim(len(claimed))
         if not claimed:
             return []
         self.summary.claimed += len(claimed)
@@ -509,6 +533,8 @@ class Dispatcher:
             now = self.clock.now_ms()
             for out in batch:
                 self._observe.outcome(out, applied=out.pk in written, now_ms=now)
+                if out.state is State.PENDING and out.pk in written:
+                    self.wakeup.due_at(out.next_attempt_at)
                 names = self._log_transition(out, applied=out.pk in written)
                 if out.pk in written and out.state is State.UNRESOLVED:
                     self._maybe_look_up(out, names)

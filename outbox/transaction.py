@@ -129,12 +129,14 @@ class TransactionMethods:
         if isinstance(target, Engine):
             with target.begin() as conn:
                 yield Transaction(ob, conn)
+            ob.store.announce()  # committed: wake this process's dispatchers (SQLite)
         elif isinstance(target, Connection) or _is_session(target):
             if target.in_transaction():
                 yield Transaction(ob, target)  # the caller's: its end is theirs
             else:
                 with target.begin():
                     yield Transaction(ob, target)
+                ob.store.announce()
         else:
             raise ValidationError(
                 "transaction() takes a SQLAlchemy Engine, Connection or ORM Session"
@@ -149,12 +151,14 @@ class TransactionMethods:
         if isinstance(target, AsyncEngine):
             async with target.begin() as conn:
                 yield AsyncTransaction(ob, conn)
+            ob.store.announce()
         elif isinstance(target, AsyncConnection | AsyncSession):
             if target.in_transaction():
                 yield AsyncTransaction(ob, target)
             else:
                 async with target.begin():
                     yield AsyncTransaction(ob, target)
+                ob.store.announce()
         elif isinstance(target, Engine | Connection) or _is_session(target):
             raise ValidationError(
                 f"{type(target).__name__} is synchronous: use `with ob.transaction(...) as tx`"

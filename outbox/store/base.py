@@ -37,6 +37,7 @@ from outbox.model import (
     State,
     Verdict,
 )
+from outbox.store.changes import ChangeSource
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -90,9 +91,10 @@ class Store:
         # Built once, run with parameters: building an INSERT with literal .values() costs
         # SQLAlchemy more than the database spends on it (each value coerced and hashed
         # into a cache key, on every call).
-        self._insert_one = self._insert_ignoring_duplicate().returning(o.c.id)
+        wake = self._insert_wakes()
+        self._insert_one = self._insert_ignoring_duplicate().returning(o.c.id, *wake)
         self._insert_many = self._insert_ignoring_duplicate().returning(
-            o.c.id, o.c.tenant, o.c.operation_id
+            o.c.id, o.c.tenant, o.c.operation_id, *wake
         )
 
     # -- transactions -------------------------------------------------------------
@@ -119,6 +121,31 @@ class Store:
         """Whether a write transaction of our own would wait on the caller itself
         (SQLite: this thread or task already holds the file's write lock)."""
         return False
+
+    # -- change signals (see outbox.store.changes) ---------------------------------
+
+    def _insert_wakes(self) -> tuple[Any, ...]:
+        """Extra RETURNING columns of the enqueue INSERT that signal dispatchers."""
+        return ()
+
+    def _signal_on(self, conn: Connection) -> None:
+        """Signal dispatchers from inside ``conn``'s transaction (delivered at commit)."""
+
+    def announce(self) -> None:
+        """Tell this process's dispatchers that a transaction of ours just committed work."""
+
+    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
+        """What wakes an idle dispatcher of this database, or None: poll only."""
+        return None
+
+    def next_due_ms(self, now_ms: int) -> int | None:
+        """The earliest ``next_attempt_at`` after ``now_ms`` among pending and in-flight
+        operations (a scheduled retry, an expiring lease), through the due index."""
+        with self.read() as conn:
+            value = conn.execute(
+                select(func.min(o.c.next_attempt_at)).where(DUE, o.c.next_attempt_at > now_ms)
+            ).scalar()
+        return int(value) if value is not None else None
 
     # -- enqueue ------------------------------------------------------------------
 
@@ -575,6 +602,10 @@ class Store:
             if changed != 1:
                 return False
             conn.execute(insert(audit).values(audit_row))
+            if values.get("state") == State.PENDING.value:
+                self._signal_on(conn)
+        if values.get("state") == State.PENDING.value:
+            self.announce()
         return True
 
     def audit_trail(self, tenant: str, operation_id: str) -> list[AuditRecord]:

@@ -1,4 +1,5 @@
-"""PostgreSQL: claim through a materialized CTE with FOR UPDATE SKIP LOCKED.
+"""PostgreSQL: claim through a materialized CTE with FOR UPDATE SKIP LOCKED; wake
+dispatchers with NOTIFY from inside the enqueuing transaction (``store.changes``).
 
 ``UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`` may be planned
 so that the subquery runs more than once and locks (and returns) more rows than asked
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Connection, func, literal, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.store.base import Store
+from outbox.store.changes import ChangeSource, PostgresListener, notify_column
 from outbox.store.tables import operations as o
 
 
@@ -38,3 +40,14 @@ class PostgresStore(Store):
                 select(func.floor(func.extract("epoch", func.clock_timestamp()) * 1000))
             ).scalar_one()
         return int(value)
+
+    # -- change signals -----------------------------------------------------------
+
+    def _insert_wakes(self) -> tuple[Any, ...]:
+        return (notify_column(o.c.endpoint),)
+
+    def _signal_on(self, conn: Connection) -> None:
+        conn.execute(select(notify_column(literal(""))))
+
+    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
+        return PostgresListener(self.engine, application_name=application_name)

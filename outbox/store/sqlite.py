@@ -7,13 +7,14 @@ dispatchers can take the same row.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from sqlalchemy import Engine, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from outbox.errors import StoreError
-from outbox.store import writelock
+from outbox.store import changes, writelock
 from outbox.store.base import Store
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
 from outbox.store.tables import operations as o
@@ -61,6 +62,20 @@ class SqliteStore(Store):
         result = self.quick_check()
         if result != "ok":
             raise StoreError(f"PRAGMA quick_check failed on {path}: {result}")
+
+    @functools.cached_property
+    def _wake_key(self) -> str | None:
+        path = sqlite_path(self.engine.url)
+        return changes.local_key(path) if path is not None else None
+
+    def announce(self) -> None:
+        changes.announce(self._wake_key)
+
+    def change_source(
+        self, *, application_name: str, interval: float
+    ) -> changes.ChangeSource | None:
+        path = sqlite_path(self.engine.url)
+        return changes.SqliteWatch(path, interval=interval) if path is not None else None
 
     def quick_check(self) -> str:
         with self.read() as conn:

@@ -1,0 +1,203 @@
+"""Change signals: how an idle dispatcher learns that work may be due, without a claim.
+
+* PostgreSQL: ``enqueue``'s INSERT calls ``pg_notify`` in the caller's transaction, so
+  the notification leaves only at commit (a rolled-back enqueue sends nothing). Its
+  payload is the endpoint name, never arguments. :class:`PostgresListener` holds one
+  dedicated connection that ``LISTEN``\\s and re-establishes it with backoff when it
+  drops, waking the dispatcher after every (re)connect: notifications sent while it was
+  away are lost, the claim that follows finds their rows.
+* SQLite: :func:`announce` wakes dispatchers of the same database file in this process
+  (a registry keyed by the file's real path) after an enqueue commits;
+  :class:`SqliteWatch` also reads ``PRAGMA data_version`` on an open connection every
+  few milliseconds, which changes whenever another connection (another process, too)
+  commits: a check of a few microseconds instead of a claim query.
+
+A signal only ever causes a claim; the claim decides what is due. A lost or spurious
+signal costs latency or one empty claim, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+from sqlalchemy import Engine, func, literal
+from sqlalchemy.sql.elements import ColumnElement
+
+logger = structlog.get_logger("outbox.wakeup")
+
+#: Called with the reason: "listening" (after each (re)connect), "notified", "changed",
+#: "local". Runs on the dispatcher's event loop.
+Wake = Callable[[str], None]
+#: Reports what the source did ("listening", "listener_lost", ...); for logs and tests.
+Report = Callable[[str], None]
+
+#: The longest wait before a lost listener connection is tried again.
+MAX_RECONNECT_SECONDS = 5.0
+
+
+class ChangeSource(Protocol):
+    """Runs until cancelled, calling ``wake`` whenever work may have become due."""
+
+    async def run(self, wake: Wake, report: Report) -> None: ...
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+
+
+def notify_channel() -> ColumnElement[Any]:
+    """The channel, per schema: dispatchers of other schemas on the server are not woken.
+
+    Evaluated by the server in the writer's session, so it costs no round trip.
+    """
+    return func.left(literal("outbox_") + func.current_schema(), 63)
+
+
+def notify_column(endpoint: ColumnElement[Any]) -> ColumnElement[Any]:
+    """``pg_notify(channel, endpoint)``: added to the INSERT's RETURNING, it runs once per
+    inserted row inside the caller's transaction (PostgreSQL folds identical
+    notifications of one transaction into one)."""
+    return func.pg_notify(notify_channel(), endpoint)
+
+
+class PostgresListener:
+    """One dedicated psycopg connection that LISTENs on the outbox's channel."""
+
+    def __init__(self, engine: Engine, *, application_name: str) -> None:
+        _args, kwargs = engine.dialect.create_connect_args(engine.url)
+        kwargs.pop("context", None)
+        kwargs["application_name"] = application_name[:63]
+        self._kwargs = kwargs
+        self.application_name = kwargs["application_name"]
+        #: The server process of the current listening connection (None between them).
+        self.backend_pid: int | None = None
+
+    async def _connect(self) -> Any:
+        import psycopg
+        from psycopg import sql
+
+        conn = await psycopg.AsyncConnection.connect(autocommit=True, **self._kwargs)
+        try:
+            # The same expression the writers use, in this session: the same schema.
+            cur = await conn.execute(_CHANNEL_SQL)
+            row = await cur.fetchone()
+            channel = str(row[0]) if row else "outbox_"
+            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    async def run(self, wake: Wake, report: Report) -> None:
+        import psycopg
+
+        backoff = 0.0
+        while True:
+            conn = None
+            try:
+                conn = await self._connect()
+                self.backend_pid = conn.info.backend_pid
+                backoff = 0.0
+                wake("listening")  # notifications sent while we were away are lost
+                async for _note in conn.notifies():
+                    wake("notified")
+                # notifies() ends only when the connection does.
+                raise psycopg.OperationalError("the listening connection closed")
+            except psycopg.Error as exc:
+                self.backend_pid = None
+                backoff = min(backoff * 2 if backoff else 0.1, MAX_RECONNECT_SECONDS)
+                logger.warning(
+                    "listener_lost",
+                    error=type(exc).__name__,
+                    detail=str(exc).splitlines()[0][:200] if str(exc) else "",
+                    retry_in_seconds=backoff,
+                )
+                report("listener_lost")
+            finally:
+                if conn is not None:
+                    await _close_quietly(conn)
+            await asyncio.sleep(backoff)
+
+
+_CHANNEL_SQL = "SELECT left('outbox_' || current_schema(), 63)"
+
+
+async def _close_quietly(conn: Any) -> None:
+    try:
+        await conn.close()
+    except Exception as exc:  # a dead connection may complain on close
+        logger.debug("listener_close_failed", error=type(exc).__name__)
+
+
+# --------------------------------------------------------------------------- SQLite
+
+_local_lock = threading.Lock()
+_local: dict[str, set[tuple[asyncio.AbstractEventLoop, Wake]]] = {}
+
+
+def local_key(path: Path) -> str:
+    """The registry's key for a SQLite file: its real path."""
+    return str(path.resolve())
+
+
+def announce(key: str | None) -> None:
+    """Wake this process's dispatchers of the SQLite file ``key`` (after a commit)."""
+    if key is None or not _local:
+        return
+    with _local_lock:
+        targets = list(_local.get(key, ()))
+    for loop, wake in targets:
+        try:
+            loop.call_soon_threadsafe(wake, "local")
+        except RuntimeError:  # that loop has closed; its dispatcher is gone
+            continue
+
+
+class SqliteWatch:
+    """In-process wake-ups plus a ``PRAGMA data_version`` check every ``interval``."""
+
+    def __init__(self, path: Path, *, interval: float) -> None:
+        self.path = path
+        self.interval = interval
+
+    async def run(self, wake: Wake, report: Report) -> None:
+        loop = asyncio.get_running_loop()
+        entry = (loop, wake)
+        key = local_key(self.path)
+        with _local_lock:
+            _local.setdefault(key, set()).add(entry)
+        # timeout=0: the check must never sleep in SQLite's busy handler on the loop.
+        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            last = _data_version(conn)
+            report("listening")
+            while True:
+                await asyncio.sleep(self.interval)
+                current = _data_version(conn)
+                if current != last:
+                    last = current
+                    wake("changed")
+        finally:
+            conn.close()
+            with _local_lock:
+                entries = _local.get(key)
+                if entries is not None:
+                    entries.discard(entry)
+                    if not entries:
+                        del _local[key]
+
+
+def _data_version(conn: sqlite3.Connection) -> int | None:
+    """Changes whenever another connection commits to the file. None if unreadable
+    right now (busy): then it differs from the last value and the claim decides."""
+    try:
+        row = conn.execute("PRAGMA data_version").fetchone()
+    except sqlite3.Error:
+        return None
+    return int(row[0]) if row else None
