@@ -1,6 +1,7 @@
 """``python -m benchmarks run``: every contender side by side in one invocation.
 
-Phases (``--phases`` picks some): throughput, e2e, enqueue, claim, rss, multi.
+Phases (``--phases`` picks some): latency, throughput, e2e, enqueue, claim, rss, multi,
+ceiling.
 Repetitions are interleaved (each repetition runs every contender once) so that drift on
 a noisy machine hits all of them alike; the table quotes medians.
 """
@@ -37,7 +38,7 @@ from benchmarks.common import (
 )
 from benchmarks.transports import missing
 
-PHASES = ("throughput", "e2e", "enqueue", "claim", "rss", "multi")
+PHASES = ("latency", "throughput", "e2e", "enqueue", "claim", "rss", "multi", "ceiling")
 
 
 @dataclass
@@ -54,6 +55,11 @@ class Profile:
     rss_backlog: int
     rss_seconds: float
     multi_n: int
+    latency_n: int = 100
+    latency_max_gap: float = 0.1
+    latency_idle_seconds: float = 15.0
+    ceiling_n: int = 4000
+    ceiling_processes: tuple[int, ...] = (1, 2, 4, 8)
 
 
 def profile(args: argparse.Namespace) -> Profile:
@@ -71,6 +77,11 @@ def profile(args: argparse.Namespace) -> Profile:
             rss_backlog=300,
             rss_seconds=3,
             multi_n=60,
+            latency_n=5,
+            latency_max_gap=0.05,
+            latency_idle_seconds=1.0,
+            ceiling_n=200,
+            ceiling_processes=(1, 2),
         )
     elif args.quick:
         p = Profile(
@@ -86,6 +97,9 @@ def profile(args: argparse.Namespace) -> Profile:
             rss_backlog=100_000,
             rss_seconds=15,
             multi_n=2000,
+            latency_n=40,
+            latency_idle_seconds=6.0,
+            ceiling_n=2000,
         )
     else:
         p = Profile(
@@ -414,6 +428,57 @@ class Run:
             for r in out:
                 _say(f"  multi {r['config']}: {r['ops_per_s']:,.0f} ops/s")
 
+    def latency(self, rx: Any) -> None:
+        from benchmarks.latency import CONFIGS, run_config
+
+        p = self.p
+        out: list[dict[str, Any]] = []
+        for config in CONFIGS:
+            if config.db not in self.dbs:
+                continue
+            with database(config.db, self.dir, "lat") as url:
+                row = self._safe(
+                    config.key,
+                    lambda config=config, url=url: run_config(
+                        config,
+                        url,
+                        rx,
+                        n=p.latency_n,
+                        max_gap=p.latency_max_gap,
+                        idle_seconds=p.latency_idle_seconds,
+                    ),
+                )
+            if row is None:
+                continue
+            row["key"] = config.key
+            out.append(row)
+            idle = row.get("idle_claims_per_s")
+            _say(
+                f"  latency {config.label}: p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms"
+                + (f", idle {idle} claims/s" if idle is not None else "")
+            )
+        self.results["phases"]["latency"] = out
+
+    def ceiling(self) -> None:
+        from benchmarks.ceiling import ceiling_phase
+
+        p = self.p
+        if "postgres" not in self.dbs:
+            self.results["skipped"]["ceiling"] = f"needs PostgreSQL: {self.pg_reason}"
+            return
+        out = self._safe(
+            "ceiling",
+            lambda: ceiling_phase(
+                lambda: database("postgres", self.dir, "ceiling"),
+                n=p.ceiling_n,
+                processes=p.ceiling_processes,
+            ),
+        )
+        if out is not None:
+            self.results["phases"]["ceiling"] = out
+            for r in out:
+                _say(f"  ceiling K={r['processes']}: {r['ops_per_s']:,.0f} cycles/s")
+
     # -- driver -------------------------------------------------------------------
 
     def execute(self, phases: list[str]) -> dict[str, Any]:
@@ -437,6 +502,10 @@ class Run:
                     self.rss(rx)
                 elif phase == "multi":
                     self.multi(rx)
+                elif phase == "latency":
+                    self.latency(rx)
+                elif phase == "ceiling":
+                    self.ceiling()
                 self.results["meta"].setdefault("phase_seconds", {})[phase] = round(
                     time.time() - t0, 1
                 )
@@ -588,6 +657,19 @@ def targets(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
             le=True,
             unit=" MB",
         )
+    for row in res["phases"].get("latency", []):
+        key = row["key"]
+        if key in ("latency_postgres", "latency_sqlite"):
+            add(f"enqueue -> receiver p50, {row['config']}", row["p50_ms"], 10, le=True,
+                unit=" ms")
+            add(f"enqueue -> receiver p99, {row['config']}", row["p99_ms"], 50, le=True,
+                unit=" ms")
+        elif key == "latency_sqlite_process":
+            add(f"enqueue -> receiver p50, {row['config']}", row["p50_ms"], 20, le=True,
+                unit=" ms")
+        if key == "latency_postgres" and row.get("idle_claims_per_s") is not None:
+            add("idle claim queries per second per dispatcher, PostgreSQL",
+                row["idle_claims_per_s"], 1, le=True, unit="/s")
     multi = res["phases"].get("multi")
     if multi:
         one = next((r for r in multi if r["processes"] == 1), None)
@@ -661,6 +743,37 @@ def report(res: dict[str, Any], transport: str) -> str:
                 f"  {r['config']:<30} cpus {r['cpus']}: {r['ops_per_s']:>8,.0f} ops/s  "
                 f"split {r['per_process_ops']}  cpu {c['dispatchers']} / "
                 f"{c['receiver']} / {c['postgres']}"
+            )
+    latency = res["phases"].get("latency")
+    if latency:
+        lines.append("")
+        lines.append(
+            "latency, enqueue committed -> first request at the receiver, one at a time "
+            "at random moments (ms):"
+        )
+        for r in latency:
+            idle = ""
+            if r.get("idle_claims_per_s") is not None:
+                idle = (
+                    f"   idle: {r['idle_claims_per_s']} claims/s, "
+                    f"{r['idle_statements_per_s']} statements/s"
+                )
+            lines.append(
+                f"  {r['config']:<58} p50 {r['p50_ms']:>7.1f}  p99 {r['p99_ms']:>7.1f}"
+                f"  (n={r['n']}){idle}"
+            )
+    ceiling = res["phases"].get("ceiling")
+    if ceiling:
+        lines.append("")
+        lines.append(
+            "database-side ceiling, PostgreSQL: claim -> attempt row -> outcome, no HTTP "
+            "(K processes, batches of 64):"
+        )
+        for r in ceiling:
+            lines.append(
+                f"  K={r['processes']:<3} {r['ops_per_s']:>9,.0f} cycles/s   "
+                f"split {r['per_process_ops']}   PostgreSQL CPU {r['postgres_cpu_ms_per_op']} "
+                "ms per cycle"
             )
     lines.append("")
     lines.append("targets:")

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_benchmark_smoke_run_writes_a_report(tmp_path: Path) -> None:
     pytest.importorskip("aiohttp")
     out = tmp_path / "smoke.json"
@@ -30,7 +30,7 @@ def test_benchmark_smoke_run_writes_a_report(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=380,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -60,4 +60,17 @@ def test_benchmark_smoke_run_writes_a_report(tmp_path: Path) -> None:
     assert all(r["ms_per_claim_100"] > 0 and r["plan"] for r in claim)
     rss = report["phases"]["rss"]
     assert rss["drained"] == rss["backlog"] and rss["peak_rss_mb"] > 0
-    assert report["targets"]
+
+    latency = {r["key"]: r for r in report["phases"]["latency"]}
+    expected = {"latency_sqlite", "latency_sqlite_process", "latency_sqlite_poll"}
+    if "postgres" not in report["skipped"]:
+        expected |= {"latency_postgres", "latency_postgres_poll"}
+        assert latency["latency_postgres"]["idle_claims_per_s"] >= 0
+        ceiling = report["phases"]["ceiling"]
+        assert [r["processes"] for r in ceiling] == [1, 2]
+        assert all(r["ops"] == sum(r["per_process_ops"]) > 0 for r in ceiling)
+    assert set(latency) == expected
+    for row in latency.values():
+        assert row["n"] == len(row["values_ms"]) > 0 and row["p50_ms"] <= row["p99_ms"]
+    targets = {t["target"] for t in report["targets"]}
+    assert any(t.startswith("enqueue -> receiver p50") for t in targets)
