@@ -400,6 +400,12 @@ def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
     help="Serve /metrics (Prometheus), /healthz and /readyz on this port.",
 )
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--processes",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="Run N dispatcher processes under a supervisor (restarts, SIGTERM drains all).",
+)
 @json_option
 @click.pass_obj
 def dispatch(
@@ -408,11 +414,26 @@ def dispatch(
     concurrency: int | None,
     metrics_port: int | None,
     metrics_host: str,
+    processes: int | None,
     as_json: bool,
 ) -> None:
     """Run the dispatcher. SIGTERM or Ctrl-C: stop claiming, finish in-flight work, exit 0."""
+    if processes is not None:
+        if once:
+            raise click.UsageError("--once and --processes do not go together")
+        if metrics_port is not None:
+            raise click.UsageError(
+                "--metrics-port and --processes do not go together: each process would "
+                "need its own port"
+            )
+        _supervise(obj, processes, concurrency, as_json)
+        return
 
     def go() -> None:
+        from outbox.supervise import catch_sigterm_early
+
+        # Before loading the application: a SIGTERM during start-up stops us cleanly.
+        stop = None if once else catch_sigterm_early()
         ob = obj.outbox()
         if not ob.endpoints:
             raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
@@ -428,7 +449,11 @@ def dispatch(
                     f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}"
                 ) from exc
         try:
-            summary = ob.dispatch_once() if once else ob.run_dispatcher(concurrency=concurrency)
+            summary = (
+                ob.dispatch_once()
+                if once
+                else ob.run_dispatcher(concurrency=concurrency, stop=stop)
+            )
         finally:
             if server is not None:
                 server.close()
@@ -438,6 +463,43 @@ def dispatch(
             out.print(" ".join(f"{k}={v}" for k, v in summary.as_dict().items()))
 
     run_guarded(go)
+
+
+def _supervise(obj: Context, processes: int, concurrency: int | None, as_json: bool) -> None:
+    from outbox.supervise import Supervisor
+
+    def go() -> None:
+        # Fail here, once, on what every child would fail on (no --app, a bad module).
+        if not obj.outbox().endpoints:
+            raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
+        obj.close()  # the children open their own connections
+        command = [sys.executable, "-m", "outbox.cli", *_root_args(), "dispatch", "--json"]
+        if concurrency is not None:
+            command += ["--concurrency", str(concurrency)]
+        supervisor = Supervisor(command, processes)
+        report = supervisor.run()
+        if as_json:
+            _emit_json(report.as_dict())
+        else:
+            out.print(" ".join(f"{k}={v}" for k, v in report.as_dict().items()), markup=False)
+        if supervisor.exit_status:
+            sys.exit(supervisor.exit_status)
+
+    run_guarded(go)
+
+
+def _root_args() -> list[str]:
+    """The top-level options this command was given, for a child ``outbox`` process."""
+    root = click.get_current_context().find_root()
+    args: list[str] = []
+    for param in root.command.params:
+        if not isinstance(param, click.Option) or param.name is None:
+            continue
+        value = root.params.get(param.name)
+        if value is None or param.is_flag or param.name == "version":
+            continue
+        args += [param.opts[0], str(value)]
+    return args
 
 
 # -- operator actions -----------------------------------------------------------------------

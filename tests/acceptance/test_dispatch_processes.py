@@ -5,6 +5,7 @@ Real SIGKILLs and SIGTERMs, a real receiver, both databases.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,79 @@ def test_sigterm_lets_requests_in_flight_finish(db_url: str, receiver: Receiver)
         assert len(op.attempts) == 1
     finally:
         ob.close()
+
+
+# --------------------------------------------------------------------------- --processes
+
+
+def _children(pid: int) -> set[int]:
+    """Live child processes of ``pid`` (from /proc: the parent is field 4 of stat)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_supervisor_restarts_a_killed_child_and_sigterm_drains_all(
+    db_url: str, receiver: Receiver
+) -> None:
+    ob = _outbox(db_url, receiver)
+    supervisor = _dispatcher(_env(db_url, receiver), "--processes", "2", "--json")
+    try:
+        _wait_for(lambda: len(_children(supervisor.pid)) == 2, 30, "two dispatcher processes")
+        first = _children(supervisor.pid)
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        _wait_for(
+            lambda: len(_children(supervisor.pid)) == 2 and victim not in _children(supervisor.pid),
+            30,
+            "the killed dispatcher to be replaced",
+        )
+        ob.enqueue_many([
+            Intent("receiver", "POST", "/orders", {"n": i}, operation_id=f"sup-{i}")
+            for i in range(20)
+        ])
+        _wait_for(lambda: ob.reconcile.status().counts.get("succeeded") == 20, 60,
+                  "the restarted fleet to send everything")
+        children = _children(supervisor.pid)
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 0
+        out, err = supervisor.communicate(timeout=10)
+    finally:
+        _stop(supervisor)
+        ob.close()
+    report = json.loads(out)
+    assert report["processes"] == 2 and report["restarts"] == 1
+    # The killed child (-9), then the two running at SIGTERM drained and exited 0.
+    assert sorted(report["exit_codes"]) == sorted([-signal.SIGKILL, 0, 0])
+    # The drained children's own summaries, added up.
+    assert report["succeeded"] == 20
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in children)
+    events = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    exited = [e for e in events if e.get("event") == "dispatcher_process_exited"]
+    assert len(exited) == 1 and exited[0]["exit_code"] == -signal.SIGKILL
+    assert receiver.effect_count() == 20
+    assert len(receiver.requests()) == 20
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_processes_refuses_once(db_url: str, receiver: Receiver) -> None:
+    proc = _dispatcher(_env(db_url, receiver), "--processes", "2", "--once")
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert b"--once and --processes" in err
