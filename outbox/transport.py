@@ -15,10 +15,12 @@ import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
 
+from outbox import sending
 from outbox.config import Endpoint
 from outbox.model import Delivery, Verdict
 from outbox.policy import parse_retry_after
@@ -374,6 +376,9 @@ def build_client(
         follow_redirects=False,
         auth=auth,
         trust_env=False,
+        # No cookies, ever: a request carries only what the operation and the endpoint
+        # define, whatever an earlier response set.
+        cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
     )
 
 
@@ -419,7 +424,7 @@ async def send_attempt(
     response: httpx.Response | None = None
     try:
         async with asyncio.timeout(endpoint.timeout):
-            request = client.build_request(method, path, headers=headers, content=body)
+            request = sending.build_request(client, method, path, headers=headers, content=body)
             if not _stays_home(client, request, path):
                 # A stored path is relative to the registered base URL, always: a tampered
                 # row must not aim the dispatcher, and the endpoint's credentials, elsewhere.
@@ -432,7 +437,7 @@ async def send_attempt(
                     duration_ms=0,
                     result=None,
                 )
-            response = await client.send(request, stream=True)
+            response = await sending.send(client, request)
             try:
                 raw = await _read_body(response)
             finally:
