@@ -6,9 +6,10 @@ request ID per attempt, retries within a bounded window, and moves what stays un
 to a reconciliation queue for an operator.
 """
 
+from outbox.classify import Classification
 from outbox.client import Intent, Outbox
 from outbox.clock import Clock, FakeClock, SystemClock
-from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
+from outbox.config import DispatcherSettings, Endpoint, RetryPolicy, TenantScope
 from outbox.dispatch import DispatchSummary
 from outbox.errors import (
     ConcurrentModification,
@@ -24,9 +25,17 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.lookup import StatusLookup
-from outbox.model import Attempt, Delivery, Operation, Reason, Result, State, Verdict
+from outbox.model import (
+    Attempt,
+    Delivery,
+    ErrorClass,
+    Operation,
+    Reason,
+    Result,
+    State,
+    Verdict,
+)
 from outbox.store.engine import create_async_engine, create_engine
-from outbox.transport import Classification
 
 __version__ = "0.1.0"
 
@@ -40,6 +49,7 @@ __all__ = [
     "DispatchSummary",
     "DispatcherSettings",
     "Endpoint",
+    "ErrorClass",
     "FakeClock",
     "Intent",
     "NotStoredError",
@@ -57,6 +67,7 @@ __all__ = [
     "StatusLookup",
     "StoreError",
     "SystemClock",
+    "TenantScope",
     "ValidationError",
     "Verdict",
     "WaitTimeout",

@@ -313,6 +313,8 @@ def _render_report(report: OperationReport) -> None:
     out.print(f"[bold]{op.operation_id}[/bold]  tenant={op.tenant!r}  endpoint={op.endpoint}")
     out.print(f"state: {op.state.value}" + (f" ({op.reason.value})" if op.reason else ""))
     out.print(f"why: {report.explanation}")
+    if op.last_error:
+        out.print(f"last error: {op.last_error}", markup=False)
     if report.blocked_by:
         out.print(f"waiting for: {report.blocked_by} (same ordering key, not yet settled)")
     out.print(f"request: {op.method} {op.path}")

@@ -301,6 +301,9 @@ class Outbox(AsyncMethods, TransactionMethods):
             raise ValidationError(
                 f"unknown endpoint {intent.endpoint!r}; registered: {sorted(self._endpoints)}"
             )
+        problem = self._endpoints[intent.endpoint].tenant_problem(tenant, op_id)
+        if problem is not None:
+            raise ValidationError(problem)
         args = canonicalize(
             endpoint=intent.endpoint,
             method=intent.method,

@@ -5,6 +5,7 @@ All are frozen and keyword-only; units are in the names or in the types.
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -14,18 +15,20 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import urlsplit
 
 import httpx
-from tenacity import wait_random_exponential
+from tenacity import wait_exponential, wait_random_exponential
 
 from outbox.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from outbox.classify import Classification
     from outbox.lookup import StatusLookup
-    from outbox.transport import Classification
 
 #: A tenacity wait strategy: a callable taking a ``RetryCallState`` and giving seconds.
 WaitStrategy: TypeAlias = Callable[[Any], float]
 #: Supplies credential headers at send time; never persisted.
 HeaderSupplier: TypeAlias = Callable[[], Mapping[str, str]]
+#: Supplies one tenant's credential headers at send time; never persisted.
+TenantHeaderSupplier: TypeAlias = Callable[[str], Mapping[str, str]]
 #: Overrides classification: takes the response or the exception, returns a
 #: Classification, or None to fall back to the default rules.
 Classifier: TypeAlias = Callable[["httpx.Response | BaseException"], "Classification | None"]
@@ -36,6 +39,35 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 def _default_wait() -> WaitStrategy:
     # "Full jitter": a uniformly random wait between 0 and an exponentially growing cap.
     return wait_random_exponential(multiplier=0.5, max=60)
+
+
+def _default_in_progress_wait() -> WaitStrategy:
+    # 2^(n-1) s plus up to as much again of jitter: 1-2 s, 2-4 s, 4-8 s, ... capped at
+    # 60-120 s. Never below one second, always growing: a receiver that holds a key never
+    # sees a stream of requests.
+    wait: WaitStrategy = wait_exponential(multiplier=1, max=60) + wait_random_exponential(
+        multiplier=1, max=60
+    )
+    return wait
+
+
+class TenantScope(enum.StrEnum):
+    """How the receiver behind an endpoint keeps tenants apart. Two tenants must never
+    share one key at one receiver: an endpoint that carries tenants declares one."""
+
+    #: The tenant is sent in ``Endpoint.tenant_header``; the receiver scopes keys by it.
+    HEADER = "header"
+    #: The tenant is part of the key: ``<tenant>/<operation ID>`` (the bare operation ID
+    #: for the empty tenant). ``/`` never occurs in a tenant or an operation ID, so no two
+    #: (tenant, operation ID) pairs give one key.
+    KEY_PREFIX = "key_prefix"
+    #: Each tenant has its own credentials (``Endpoint.tenant_auth``) and the receiver
+    #: scopes keys by account.
+    CREDENTIALS = "credentials"
+
+
+#: Separates the tenant from the operation ID in a key-prefix scoped key.
+TENANT_KEY_SEPARATOR = "/"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +87,9 @@ class RetryPolicy:
     #: "Still processing" answers (409 in progress) tolerated before the operation goes
     #: to reconciliation. They do not spend ``max_attempts``; this is their own budget.
     in_progress_budget: int = 10
+    #: Backoff between "still processing" answers (default: 2^(n-1) s plus as much again
+    #: of jitter, capped at 60 s plus jitter; never below one second).
+    in_progress_wait: WaitStrategy = field(default_factory=_default_in_progress_wait)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -65,7 +100,7 @@ class RetryPolicy:
             )
         if self.window <= timedelta(0):
             raise ConfigurationError(f"window must be positive, got {self.window}")
-        if not callable(self.wait):
+        if not callable(self.wait) or not callable(self.in_progress_wait):
             raise ConfigurationError("wait must be a tenacity wait strategy (a callable)")
 
     @property
@@ -92,20 +127,36 @@ class Endpoint:
     key_retention_margin: timedelta | None = None
     idempotency_header: str = "Idempotency-Key"
     request_id_header: str = "X-Request-ID"
-    #: When set, the operation's tenant is sent in this header.
+    #: When set, the operation's tenant is sent in this header (``TenantScope.HEADER``).
     tenant_header: str | None = None
+    #: How the receiver keeps tenants apart; operations with a non-empty tenant are
+    #: refused at enqueue on an endpoint that declares none. Setting ``tenant_header``
+    #: alone declares ``TenantScope.HEADER``.
+    tenant_scope: TenantScope | None = None
+    #: Per-tenant credentials, applied at send time after ``auth``: required by
+    #: ``TenantScope.CREDENTIALS``; takes the tenant, returns headers; never persisted.
+    tenant_auth: TenantHeaderSupplier | None = None
     #: Credentials, applied at send time: an ``httpx.Auth`` or a callable returning headers.
     auth: httpx.Auth | HeaderSupplier | None = None
     #: Static, non-secret headers sent with every request to this endpoint.
     headers: Mapping[str, str] = field(default_factory=dict)
     #: Overrides the default classification of responses and exceptions.
     classify: Classifier | None = None
-    #: Response headers kept as evidence (the receiver's own request ID, mostly).
+    #: A status the receiver answers replays with, besides 2xx (some middlewares replay
+    #: with 409 and the original body). Such an answer whose body does not say "in
+    #: progress" or name a conflict is a replay: success, with that body as the result.
+    replay_status: int | None = None
+    #: A regular expression the receiver's keys must match whole (say
+    #: ``[A-Za-z0-9_-]{1,64}``); enqueue refuses an operation whose key would not.
+    key_pattern: str | None = None
+    #: Response headers kept as evidence (the receiver's own request ID, replay markers).
     evidence_headers: tuple[str, ...] = (
         "x-request-id",
         "request-id",
         "x-amzn-requestid",
         "idempotent-replayed",
+        "idempotency-replayed",
+        "x-idempotent-replayed",
         "content-type",
     )
     #: Bytes of a response body kept as evidence; beyond it only a hash is kept.
@@ -144,6 +195,71 @@ class Endpoint:
             )
         if self.result_body_limit < 0:
             raise ConfigurationError(f"endpoint {self.name!r}: result_body_limit must be >= 0")
+        scope = self.tenant_scope
+        if scope is not None:
+            try:
+                scope = TenantScope(scope)
+            except ValueError:
+                raise ConfigurationError(
+                    f"endpoint {self.name!r}: tenant_scope must be one of "
+                    f"{[s.value for s in TenantScope]}, got {scope!r}"
+                ) from None
+            object.__setattr__(self, "tenant_scope", scope)
+        if scope is None and self.tenant_header is not None:
+            object.__setattr__(self, "tenant_scope", TenantScope.HEADER)
+        elif scope is TenantScope.HEADER and self.tenant_header is None:
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: tenant_scope='header' needs tenant_header"
+            )
+        if scope is TenantScope.CREDENTIALS and self.tenant_auth is None:
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: tenant_scope='credentials' needs tenant_auth, a "
+                "callable giving each tenant's own credential headers"
+            )
+        if self.tenant_auth is not None and scope is not TenantScope.CREDENTIALS:
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: tenant_auth is only used with "
+                "tenant_scope='credentials'"
+            )
+        if self.replay_status is not None and not 400 <= self.replay_status < 500:
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: replay_status must be a 4xx status (2xx replays "
+                f"need no declaration), got {self.replay_status}"
+            )
+        if self.key_pattern is not None:
+            try:
+                re.compile(self.key_pattern)
+            except re.error as exc:
+                raise ConfigurationError(
+                    f"endpoint {self.name!r}: key_pattern is not a regular expression: {exc}"
+                ) from exc
+
+    def wire_key(self, tenant: str, operation_id: str) -> str:
+        """The idempotency key sent for (tenant, operation ID)."""
+        if tenant and self.tenant_scope is TenantScope.KEY_PREFIX:
+            return f"{tenant}{TENANT_KEY_SEPARATOR}{operation_id}"
+        return operation_id
+
+    def tenant_problem(self, tenant: str, operation_id: str) -> str | None:
+        """Why an operation of ``tenant`` may not go to this endpoint, or None."""
+        if tenant and self.tenant_scope is None:
+            return (
+                f"endpoint {self.name!r} declares no tenant scope, so tenant {tenant!r} would "
+                "share idempotency keys with every other tenant at the receiver (one effect "
+                "for two intents). Declare how the receiver keeps tenants apart: "
+                "Endpoint(tenant_header='X-Tenant') if it scopes keys by a header, "
+                "Endpoint(tenant_scope='key_prefix') to send '<tenant>/<operation ID>' as "
+                "the key, or Endpoint(tenant_scope='credentials', tenant_auth=...) if each "
+                "tenant has its own credentials"
+            )
+        if self.key_pattern is not None:
+            key = self.wire_key(tenant, operation_id)
+            if not re.fullmatch(self.key_pattern, key):
+                return (
+                    f"endpoint {self.name!r} accepts keys matching {self.key_pattern!r}; "
+                    f"this operation's key {key!r} does not"
+                )
+        return None
 
     @property
     def margin(self) -> timedelta:

@@ -23,10 +23,10 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import failpoints, heartbeat
 from outbox.clock import Clock, OffsetClock
-from outbox.config import DispatcherSettings, Endpoint
+from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
 from outbox.errors import StoreError
 from outbox.logs import get_logger
-from outbox.model import Delivery, Reason, State, Verdict
+from outbox.model import Delivery, ErrorClass, Reason, State, Verdict
 from outbox.observe import NOTHING, Instrumentation
 from outbox.policy import decide, reason_from_history
 from outbox.store.base import Store
@@ -46,6 +46,8 @@ TransportFactory = Callable[[Endpoint], httpx.AsyncBaseTransport | None]
 _CLOCK_SYNC_SECONDS = 30.0
 #: An operation naming an endpoint this dispatcher does not know is put back for this long.
 _UNKNOWN_ENDPOINT_DELAY_MS = 60_000
+#: The window of an operation this dispatcher cannot send, when nothing says otherwise.
+_DEFAULT_WINDOW_MS = RetryPolicy().window_ms
 #: The longest wait between claims while the database refuses them.
 _MAX_STORE_BACKOFF_SECONDS = 5.0
 
@@ -298,18 +300,22 @@ class Dispatcher:
 
         to_send: dict[int, str] = {}
         settlements: list[Settlement] = []
-        unknown_endpoint: list[int] = []
+        unsendable: dict[str, list[int]] = {}
         by_pk: dict[int, tuple[Claimed, Endpoint]] = {}
         for c in claimed:
             endpoint = self.endpoints.get(c.endpoint)
-            if endpoint is None:
-                unknown_endpoint.append(c.pk)
-                self._log.error(
-                    "endpoint_not_registered",
-                    operation_id=c.operation_id,
-                    tenant=c.tenant,
-                    endpoint=c.endpoint,
-                )
+            problem = (
+                self._not_registered(c.endpoint)
+                if endpoint is None
+                else endpoint.tenant_problem(c.tenant, c.operation_id)
+            )
+            if problem is not None or endpoint is None:
+                assert problem is not None
+                settlement = self._unsendable(c, token, now, problem)
+                if settlement is not None:
+                    settlements.append(settlement)
+                else:
+                    unsendable.setdefault(problem, []).append(c.pk)
                 continue
             deadline = endpoint.deadline_ms(
                 window_started_at_ms=c.window_started_at or now,
@@ -330,13 +336,18 @@ class Dispatcher:
                 "tenant": c.tenant,
                 "endpoint": c.endpoint,
             }
-        if unknown_endpoint:
+        for problem, pks in unsendable.items():
+            window_end = max(
+                (self._unsendable_window_end(c, now) for c in claimed if c.pk in pks),
+                default=now,
+            )
             await self._run_db(
                 self.store.release,
                 token=token,
                 now_ms=now,
-                pks=unknown_endpoint,
-                delay_ms=_UNKNOWN_ENDPOINT_DELAY_MS,
+                pks=pks,
+                delay_ms=max(1, min(_UNKNOWN_ENDPOINT_DELAY_MS, window_end - now + 1)),
+                last_error=problem,
             )
         if settlements:
             written = await self._run_db(self.store.settle, now_ms=now, settlements=settlements)
@@ -348,7 +359,7 @@ class Dispatcher:
                         "operation_unresolved",
                         operation_pk=s.pk,
                         reason=s.reason,
-                        why="window closed or attempts spent",
+                        why=s.last_error or "window closed or attempts spent",
                     )
         started = await self._run_db(
             self.store.begin_attempts,
@@ -367,6 +378,38 @@ class Dispatcher:
             for s in started
         ]  # fmt: skip
 
+    def _not_registered(self, name: str) -> str:
+        return (
+            f"endpoint {name!r} is not registered in dispatcher {self.dispatcher_id} "
+            f"(registered: {sorted(self.endpoints)}); never sent anywhere"
+        )
+
+    @staticmethod
+    def _unsendable_window_end(c: Claimed, now: int) -> int:
+        """An operation no dispatcher can send lives as long as its window: from its
+        window's start (the first claim that could not send it, if no attempt was ever
+        made) for the snapshotted window, or the default policy's hour."""
+        start = c.window_started_at if c.window_started_at is not None else now
+        return start + (c.policy_window_ms or _DEFAULT_WINDOW_MS)
+
+    def _unsendable(self, c: Claimed, token: str, now: int, problem: str) -> Settlement | None:
+        """The settlement of an operation this dispatcher must not send, once its window
+        has closed; None while it is open (it is put back, with the reason kept)."""
+        registered = c.endpoint in self.endpoints
+        self._log.error(
+            "operation_unsendable" if registered else "endpoint_not_registered",
+            operation_id=c.operation_id,
+            tenant=c.tenant,
+            endpoint=c.endpoint,
+            detail=problem,
+        )
+        if now <= self._unsendable_window_end(c, now):
+            return None
+        reason = reason_from_history(maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal)
+        return Settlement(
+            c.pk, token, State.UNRESOLVED, reason, last_error=f"{problem}; its window closed"
+        )
+
     async def _attempt(self, work: _Work) -> None:
         c, endpoint, started = work.claimed, work.endpoint, work.started
         log = self._log.bind(
@@ -384,7 +427,13 @@ class Dispatcher:
             if remaining < endpoint.timeout + self.settings.lease_margin_seconds:
                 self.summary.lease_check_failed += 1
                 log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
-                await self._outcomes.put(self._not_sent(work))
+                await self._outcomes.put(
+                    self._not_sent(
+                        work,
+                        ErrorClass.LEASE_CHECK_FAILED,
+                        "not sent: too little of the lease was left for a full attempt",
+                    )
+                )
                 return
             deadline = endpoint.deadline_ms(
                 window_started_at_ms=started.window_started_at,
@@ -394,7 +443,13 @@ class Dispatcher:
                 # The window closed between the claim and now: never send after it. The
                 # next claim settles the operation as unresolved.
                 log.warning("window_closed_before_send")
-                await self._outcomes.put(self._not_sent(work))
+                await self._outcomes.put(
+                    self._not_sent(
+                        work,
+                        ErrorClass.WINDOW_CLOSED_BEFORE_SEND,
+                        "not sent: the retry window closed between the claim and the send",
+                    )
+                )
                 return
             headers = request_headers(
                 endpoint,
@@ -438,7 +493,7 @@ class Dispatcher:
         """Seconds of the lease left, measured on the monotonic clock from before the claim."""
         return work.lease_seconds - (self.clock.monotonic() - work.claimed_mono)
 
-    def _not_sent(self, work: _Work) -> AttemptOutcome:
+    def _not_sent(self, work: _Work, error_class: ErrorClass, message: str) -> AttemptOutcome:
         c = work.claimed
         return AttemptOutcome(
             pk=c.pk,
@@ -449,8 +504,8 @@ class Dispatcher:
             counted=False,
             status_code=None,
             receiver_request_id=None,
-            error_class="LeaseCheckFailed",
-            error_message="not sent: too little of the lease was left for a full attempt",
+            error_class=error_class.value,
+            error_message=message,
             duration_ms=0,
             state=State.PENDING,
             reason=None,
@@ -462,7 +517,8 @@ class Dispatcher:
     def _outcome(self, work: _Work, result: AttemptResult) -> AttemptOutcome:
         c, endpoint, started = work.claimed, work.endpoint, work.started
         cls = result.classification
-        counted = cls.verdict is not Verdict.IN_PROGRESS
+        in_progress = cls.verdict is Verdict.IN_PROGRESS
+        counted = not in_progress
         maybe = c.maybe_delivered or cls.maybe_applied or cls.delivery is Delivery.UNKNOWN
         refused = c.saw_refusal or cls.refused
         now = self.clock.now_ms()
@@ -478,6 +534,7 @@ class Dispatcher:
                 first_attempt_at_ms=started.first_attempt_at,
             ),
             now_ms=now,
+            attempts_in_progress=c.attempts_in_progress + (1 if in_progress else 0),
         )
         return AttemptOutcome(
             pk=c.pk,
@@ -497,6 +554,7 @@ class Dispatcher:
             maybe_delivered=maybe,
             saw_refusal=refused,
             result=result.result,
+            in_progress=in_progress,
         )
 
     def _release_slot(self, n: int) -> None:
@@ -593,10 +651,16 @@ class Dispatcher:
         elif out.state is State.UNRESOLVED:
             self._count_unresolved(out.reason)
             log.warning("operation_unresolved", reason=out.reason)
-        elif out.delivery is not Delivery.NOT_SENT or out.error_class != "LeaseCheckFailed":
+        elif out.delivery is not Delivery.NOT_SENT or out.error_class not in _NOT_TRIED:
             self.summary.retry_scheduled += 1
             log.info("retry_scheduled", next_attempt_at=out.next_attempt_at)
         return names
+
+
+#: Attempts given back before sending: not a retry of the operation.
+_NOT_TRIED = frozenset(
+    {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
+)
 
 
 def _json_headers(text: str) -> dict[str, str]:

@@ -52,6 +52,12 @@ class Reason(enum.StrEnum):
     NEVER_DELIVERED = "never_delivered"
     #: The receiver says this key is bound to other arguments.
     KEY_CONFLICT = "key_conflict"
+    #: The receiver kept answering "still processing" (409) until the in-progress budget
+    #: was spent: it holds the key, and what it did with it is not known.
+    RECEIVER_BUSY = "receiver_busy"
+    #: A definitive refusal (4xx) came after an attempt that may have been applied: the
+    #: refusal cannot prove that nothing happened.
+    CONFLICTING_EVIDENCE = "conflicting_evidence"
 
 
 class Delivery(enum.StrEnum):
@@ -77,6 +83,29 @@ class Verdict(enum.StrEnum):
     FAILED = "failed"
     #: The receiver bound the key to other arguments.
     KEY_CONFLICT = "key_conflict"
+
+
+class ErrorClass(enum.StrEnum):
+    """The error classes the library itself writes into the attempt log.
+
+    Other values of ``Attempt.error_class`` are exception class names from the HTTP
+    stack (``ConnectError``, ``ReadTimeout``, ...).
+    """
+
+    #: The dispatcher's lease ran out before it recorded an outcome (crash, kill, pause).
+    LEASE_EXPIRED = "LeaseExpired"
+    #: Not sent: too little of the lease was left for a whole attempt.
+    LEASE_CHECK_FAILED = "LeaseCheckFailed"
+    #: Not sent: the retry window closed between the claim and the send.
+    WINDOW_CLOSED_BEFORE_SEND = "WindowClosedBeforeSend"
+    #: No complete response within the attempt's total deadline.
+    ATTEMPT_DEADLINE_EXCEEDED = "AttemptDeadlineExceeded"
+    #: Not sent: the stored path would leave the endpoint's base URL.
+    UNSAFE_PATH = "UnsafePath"
+    #: Not sent: no endpoint of that name is registered in the dispatcher.
+    ENDPOINT_NOT_REGISTERED = "EndpointNotRegistered"
+    #: The endpoint's own classifier raised; the attempt's outcome is unknown.
+    CLASSIFIER_FAILED = "ClassifierFailed"
 
 
 class Action(enum.StrEnum):
@@ -127,11 +156,16 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """What a successful (or definitively failed) attempt got back."""
+    """What a successful (or definitively failed) attempt got back.
+
+    ``body`` has one shape whatever the size: the parsed JSON (or the text) when the
+    whole body fits ``result_body_limit``, else None with ``truncated`` set; ``size`` and
+    ``body_sha256`` always describe the whole body.
+    """
 
     status_code: int
     headers: dict[str, str]
-    body: Any  #: parsed JSON, or text, or None for an empty or binary body
+    body: Any  #: parsed JSON, or text, or None (empty, binary, or over the limit)
     body_sha256: str
     body_size: int
     truncated: bool
@@ -162,6 +196,10 @@ class Operation:
     result: Result | None = None
     attempts: tuple[Attempt, ...] = field(default=())
     pk: int = 0
+    #: "Still processing" (409) answers received; they have their own budget.
+    attempts_in_progress: int = 0
+    #: Why no dispatcher can send it now (an endpoint none registered), or None.
+    last_error: str | None = None
 
     @property
     def is_settled(self) -> bool:

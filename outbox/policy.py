@@ -27,11 +27,29 @@ class Decision:
     why: str = ""
 
 
+#: The last try is scheduled this long before the deadline at most (less for windows
+#: under ten seconds: a tenth of the window), so that it starts inside the window.
+LAST_TRY_GUARD_MS = 1000
+#: "Still processing" answers are never retried sooner than this.
+MIN_IN_PROGRESS_WAIT_SECONDS = 1.0
+
+
 def backoff_seconds(endpoint: Endpoint, attempts_counted: int) -> float:
     """The wait after the ``attempts_counted``-th attempt, by the endpoint's strategy."""
     state = RetryCallState(retry_object=_RETRYING, fn=None, args=(), kwargs={})
     state.attempt_number = max(1, attempts_counted)
     return max(0.0, float(endpoint.retry.wait(state)))
+
+
+def in_progress_backoff_seconds(endpoint: Endpoint, answers: int) -> float:
+    """The wait after the ``answers``-th "still processing" answer: never under 1 s."""
+    state = RetryCallState(retry_object=_RETRYING, fn=None, args=(), kwargs={})
+    state.attempt_number = max(1, answers)
+    return max(MIN_IN_PROGRESS_WAIT_SECONDS, float(endpoint.retry.in_progress_wait(state)))
+
+
+def last_try_guard_ms(endpoint: Endpoint) -> int:
+    return min(LAST_TRY_GUARD_MS, max(1, endpoint.retry.window_ms // 10))
 
 
 def parse_retry_after(value: str | None, now_ms: int) -> float | None:
@@ -72,31 +90,53 @@ def decide(
     retry_after_seconds: float | None,
     deadline_ms: int,
     now_ms: int,
+    attempts_in_progress: int = 0,
 ) -> Decision:
     """The operation's next state after an attempt.
 
-    ``attempts_counted`` includes this attempt if it counted; the flags include what
-    this attempt observed.
+    ``attempts_counted`` (and ``attempts_in_progress`` for a "still processing" answer)
+    include this attempt if it counted; the flags include what this attempt observed,
+    so ``maybe_delivered`` on a definitive refusal means an *earlier* attempt may have
+    been applied.
     """
     if verdict is Verdict.SUCCESS:
         return Decision(State.SUCCEEDED, why="2xx")
     if verdict is Verdict.FAILED:
+        if maybe_delivered:
+            # "failed" promises that the receiver did not apply it; after an attempt that
+            # may have been applied, a refusal cannot prove that (a replay path answering
+            # 4xx, a version that moved because of our own first attempt, ...).
+            return Decision(
+                State.UNRESOLVED,
+                Reason.CONFLICTING_EVIDENCE,
+                why="definitive refusal after an attempt that may have been applied",
+            )
         return Decision(State.FAILED, why="definitive refusal")
     if verdict is Verdict.KEY_CONFLICT:
         return Decision(State.UNRESOLVED, Reason.KEY_CONFLICT, why="key bound to other arguments")
     reason = reason_from_history(maybe_delivered=maybe_delivered, saw_refusal=saw_refusal)
-    if verdict is Verdict.RETRY and attempts_counted >= endpoint.retry.max_attempts:
-        return Decision(State.UNRESOLVED, reason, why="attempts spent")
-    delay = backoff_seconds(endpoint, attempts_counted)
+    if verdict is Verdict.IN_PROGRESS:
+        if attempts_in_progress >= endpoint.retry.in_progress_budget:
+            return Decision(
+                State.UNRESOLVED, Reason.RECEIVER_BUSY, why="in-progress budget spent"
+            )
+        delay = in_progress_backoff_seconds(endpoint, attempts_in_progress)
+    else:
+        if attempts_counted >= endpoint.retry.max_attempts:
+            return Decision(State.UNRESOLVED, reason, why="attempts spent")
+        delay = backoff_seconds(endpoint, attempts_counted)
+    # The last moment a retry may be scheduled: a little before the deadline, so the
+    # last try starts inside the window however late the claim runs.
+    last_ms = deadline_ms - last_try_guard_ms(endpoint)
     if retry_after_seconds is not None:
-        if now_ms + retry_after_seconds * 1000 > deadline_ms:
+        if now_ms + retry_after_seconds * 1000 > last_ms:
             return Decision(State.UNRESOLVED, reason, why="Retry-After points past the window")
         delay = max(delay, retry_after_seconds)
     next_at = now_ms + int(delay * 1000)
-    if next_at > deadline_ms:
-        # Backoff may be shortened to fit the window: one more try inside it is better
-        # than none, and never later than the deadline.
-        if deadline_ms - now_ms <= 0:
+    if next_at > last_ms:
+        # Backoff is shortened to fit the window: one last try inside it is better than
+        # none. Once inside the last stretch, no further try is scheduled.
+        if now_ms >= last_ms:
             return Decision(State.UNRESOLVED, reason, why="window closed")
-        next_at = deadline_ms
+        next_at = last_ms
     return Decision(State.PENDING, None, next_at, why="retry scheduled")

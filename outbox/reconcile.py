@@ -23,7 +23,17 @@ from outbox.errors import (
     OperatorActionRefused,
     ValidationError,
 )
-from outbox.model import Action, Attempt, Delivery, Operation, Reason, State, ms_to_datetime
+from outbox.model import (
+    Action,
+    Attempt,
+    Delivery,
+    ErrorClass,
+    Operation,
+    Reason,
+    State,
+    Verdict,
+    ms_to_datetime,
+)
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store.base import AuditRecord
 
@@ -60,20 +70,32 @@ def describe_attempt(attempt: Attempt) -> str:
     n = attempt.number
     if attempt.delivery is None:
         return f"attempt {n} is open: a dispatcher holds it and may be sending it now"
-    if attempt.error_class == "LeaseExpired":
+    if attempt.error_class == ErrorClass.LEASE_EXPIRED:
         return (
             f"attempt {n} may have reached the receiver: its dispatcher stopped "
             "(crashed, killed or paused) before recording what happened"
         )
-    if attempt.error_class == "LeaseCheckFailed":
+    if attempt.error_class == ErrorClass.LEASE_CHECK_FAILED:
         return f"attempt {n} was not sent: too little of the lease was left"
+    if attempt.error_class == ErrorClass.WINDOW_CLOSED_BEFORE_SEND:
+        return f"attempt {n} was not sent: the retry window closed before it could start"
+    if attempt.error_class == ErrorClass.CLASSIFIER_FAILED:
+        return (
+            f"attempt {n} may have reached the receiver"
+            f"{f' (it answered {attempt.status_code})' if attempt.status_code else ''}, but "
+            f"the endpoint's classifier failed: {attempt.error_message}"
+        )
     if attempt.delivery is Delivery.NOT_SENT:
         return (
             f"attempt {n} never left this machine: {attempt.error_class}"
             f"{': ' + attempt.error_message if attempt.error_message else ''}"
         )
     if attempt.delivery is Delivery.UNKNOWN:
-        if attempt.error_class in ("AttemptDeadlineExceeded", "ReadTimeout", "WriteTimeout"):
+        if attempt.error_class in (
+            ErrorClass.ATTEMPT_DEADLINE_EXCEEDED,
+            "ReadTimeout",
+            "WriteTimeout",
+        ):
             return (
                 f"attempt {n} may have reached the receiver: no complete response "
                 "arrived within the attempt deadline after the request was sent"
@@ -83,14 +105,19 @@ def describe_attempt(attempt: Attempt) -> str:
             f"the request was sent ({attempt.error_class})"
         )
     status = attempt.status_code
-    if status is not None and 200 <= status < 300:
+    verdict = attempt.verdict
+    if verdict is Verdict.SUCCESS:
+        if status is not None and not 200 <= status < 300:
+            return f"attempt {n} succeeded: the receiver replayed the stored result ({status})"
         return f"attempt {n} succeeded with {status}"
-    if status == 409:
-        return f"attempt {n}: the receiver said the key is still being processed (409)"
+    if verdict is Verdict.IN_PROGRESS:
+        return f"attempt {n}: the receiver said the key is still being processed ({status})"
+    if verdict is Verdict.KEY_CONFLICT:
+        return f"attempt {n}: the receiver refused the key as bound to other arguments ({status})"
     if status in (500, 502, 504) or (status is not None and status >= 500 and status != 503):
         return f"attempt {n} may have been applied: the receiver answered {status}"
-    if status == 422:
-        return f"attempt {n}: the receiver refused the key as bound to other arguments (422)"
+    if verdict is Verdict.FAILED:
+        return f"attempt {n}: the receiver refused it definitively with {status}"
     return f"attempt {n}: the receiver refused it with {status} before doing any work"
 
 
@@ -115,6 +142,22 @@ def explain(op: Operation) -> str:
                 f"every answer was a refusal before work ({', '.join(map(str, statuses))}) "
                 f"until the attempts or the window ran out; {op.attempts_total} attempts"
             )
+        if op.reason is Reason.RECEIVER_BUSY:
+            return (
+                f"the receiver answered \"still processing\" {op.attempts_in_progress} times, "
+                "the whole in-progress budget: it holds the key, but whether the first "
+                "request was applied is not known. Ask the receiver, then resolve or requeue."
+            )
+        if op.reason is Reason.CONFLICTING_EVIDENCE:
+            last = op.attempts[-1] if op.attempts else None
+            return (
+                "the receiver refused it definitively"
+                + (f" ({last.status_code})" if last and last.status_code else "")
+                + " after an earlier attempt that may have been applied: the refusal does "
+                "not prove that nothing happened. Check with the receiver."
+            )
+        if op.reason is Reason.NEVER_DELIVERED and op.last_error:
+            return f"never sent: {op.last_error}"
         if op.reason is Reason.NEVER_DELIVERED:
             last = op.attempts[-1] if op.attempts else None
             return "no attempt ever left this machine" + (
@@ -126,6 +169,8 @@ def explain(op: Operation) -> str:
                 "another intent used the same key"
             )
         return f"unresolved ({op.reason})"
+    if op.state is State.PENDING and op.last_error:
+        return f"pending, but no dispatcher could send it: {op.last_error}"
     if op.state is State.PENDING and op.attempts_total:
         return f"waiting to retry after {op.attempts_total} attempts"
     return op.state.value
@@ -189,6 +234,8 @@ def operation_dict(op: Operation) -> dict[str, Any]:
         "ordering_key": op.ordering_key,
         "attempts_counted": op.attempts_counted,
         "attempts_total": op.attempts_total,
+        "attempts_in_progress": op.attempts_in_progress,
+        "last_error": op.last_error,
         "created_at": _iso(op.created_at_ms),
         "updated_at": _iso(op.updated_at_ms),
         "next_attempt_at": _iso(op.next_attempt_at_ms)
@@ -513,6 +560,8 @@ class Reconciler:
             "next_attempt_at": now,
             "window_started_at": None,
             "attempts_counted": 0,
+            "attempts_in_progress": 0,
+            "last_error": None,
             "finished_at": None,
         }
         never_sent = all(a.delivery is Delivery.NOT_SENT for a in op.attempts)

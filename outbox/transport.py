@@ -21,33 +21,21 @@ from typing import Any
 import httpx
 
 from outbox import sending
+from outbox.classify import (
+    IN_PROGRESS_STATUS,
+    MAYBE_APPLIED_STATUSES,
+    REFUSAL_STATUSES,
+    Classification,
+    classify_response,
+    is_key_mismatch,
+)
 from outbox.config import Endpoint
-from outbox.model import Delivery, Verdict
-from outbox.policy import parse_retry_after
+from outbox.model import Delivery, ErrorClass, Verdict
 from outbox.store.records import StoredResult
 
-#: Retry, spending an attempt: the receiver refused before doing work.
-REFUSAL_STATUSES = frozenset({408, 425, 429, 503})
-#: Retry, spending an attempt: the receiver (or a gateway) may have done the work.
-MAYBE_APPLIED_STATUSES = frozenset({500, 502, 504})
-#: The IETF Idempotency-Key draft's "a request with this key is still being processed".
-IN_PROGRESS_STATUS = 409
 #: Bytes hashed at most from one response body; the rest is not read.
 _MAX_BODY_READ = 64 * 1024 * 1024
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
-
-@dataclass(frozen=True, slots=True)
-class Classification:
-    """The verdict on one attempt, and what it says about delivery."""
-
-    verdict: Verdict
-    delivery: Delivery
-    #: The receiver may have applied the operation (feeds the reconciliation reason).
-    maybe_applied: bool = False
-    #: The receiver refused before doing any work (503, 429, ...).
-    refused: bool = False
-    retry_after_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,55 +49,6 @@ class AttemptResult:
     error_message: str | None
     duration_ms: int
     result: StoredResult | None
-
-
-def is_key_mismatch(response: httpx.Response, body: bytes) -> bool:
-    """Does a 422 say the key is bound to a different payload?
-
-    Recognised: an ``error``, ``code`` or ``type`` field mentioning the idempotency key
-    (``idempotency_key_reused``, ``idempotency_key_mismatch``, ...).
-    """
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return False
-    if not isinstance(data, dict):
-        return False
-    for field in ("error", "code", "type"):
-        value = data.get(field)
-        if isinstance(value, dict):
-            value = value.get("code") or value.get("type")
-        if isinstance(value, str) and "idempotency" in value.lower():
-            return True
-    return False
-
-
-def classify_response(response: httpx.Response, body: bytes, now_ms: int) -> Classification:
-    status = response.status_code
-    if 200 <= status < 300:
-        return Classification(Verdict.SUCCESS, Delivery.SENT, maybe_applied=True)
-    retry_after = parse_retry_after(response.headers.get("retry-after"), now_ms)
-    if status == IN_PROGRESS_STATUS:
-        # The receiver holds the key: an earlier attempt reached it.
-        return Classification(
-            Verdict.IN_PROGRESS, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
-        )
-    if status in REFUSAL_STATUSES:
-        return Classification(
-            Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after
-        )
-    if status in MAYBE_APPLIED_STATUSES:
-        return Classification(
-            Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
-        )
-    if status == 422 and is_key_mismatch(response, body):
-        return Classification(Verdict.KEY_CONFLICT, Delivery.SENT)
-    if status >= 500:
-        return Classification(
-            Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
-        )
-    # Other 4xx, and 1xx/3xx (redirects are never followed): definitive.
-    return Classification(Verdict.FAILED, Delivery.SENT)
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
@@ -163,31 +102,46 @@ def _evidence_headers(endpoint: Endpoint, response: httpx.Response) -> dict[str,
     }
 
 
-def _receiver_request_id(response: httpx.Response) -> str | None:
-    for name in ("request-id", "x-receiver-request-id", "x-amzn-requestid", "x-request-id"):
+#: Response headers where receivers put their own request ID, in order of preference.
+RECEIVER_REQUEST_ID_HEADERS = (
+    "request-id",
+    "x-receiver-request-id",
+    "x-amzn-requestid",
+    "x-amz-request-id",
+    "x-request-id",
+    "x-correlation-id",
+)
+
+
+def _receiver_request_id(response: httpx.Response, sent_request_id: str | None) -> str | None:
+    """The receiver's own request ID as ``"header: value"``, or None.
+
+    A header that only echoes the request ID we sent is ours, not the receiver's.
+    """
+    for name in RECEIVER_REQUEST_ID_HEADERS:
         value = response.headers.get(name)
-        if value:
-            return clean_message(value, 255)
+        if value and value != sent_request_id:
+            return clean_message(f"{name}: {value}", 255)
     return None
 
 
 def _stored_result(endpoint: Endpoint, response: httpx.Response, body: bytes) -> StoredResult:
+    """The evidence of a response. The body has one shape whatever its size: the parsed
+    JSON (or the text) when it fits ``result_body_limit``, else None and ``truncated``;
+    size and SHA-256 always cover the whole body."""
     digest = hashlib.sha256(body).hexdigest()
-    kept = body[: endpoint.result_body_limit]
-    truncated = len(kept) < len(body)
+    truncated = len(body) > endpoint.result_body_limit
     stored: str | None = None
-    if kept and not truncated:
+    if body and not truncated:
         try:
-            text = kept.decode("utf-8")
+            text = body.decode("utf-8")
         except UnicodeDecodeError:
             text = None
         if text is not None:
             try:
                 stored = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
-            except ValueError:
+            except (ValueError, RecursionError):
                 stored = json.dumps(text)
-    elif kept:
-        stored = json.dumps(kept.decode("utf-8", errors="replace"))
     return StoredResult(
         status=response.status_code,
         headers_json=json.dumps(_evidence_headers(endpoint, response), sort_keys=True),
@@ -195,6 +149,30 @@ def _stored_result(endpoint: Endpoint, response: httpx.Response, body: bytes) ->
         sha256=digest,
         size=len(body),
         truncated=truncated,
+    )
+
+
+def _read_response(response: httpx.Response, body: bytes, limit: int) -> httpx.Response:
+    """A response whose (bounded) body is already read, for an endpoint's classifier."""
+    headers = [
+        (k, v)
+        for k, v in response.headers.multi_items()
+        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+    ]
+    return httpx.Response(
+        response.status_code,
+        headers=headers,
+        content=body[:limit],
+        request=response.request,
+        extensions=response.extensions,
+    )
+
+
+def _classifier_failed(exc: BaseException) -> tuple[Classification, str, str]:
+    return (
+        Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True),
+        ErrorClass.CLASSIFIER_FAILED.value,
+        clean_message(f"the endpoint's classifier raised {type(exc).__name__}: {exc}"),
     )
 
 
@@ -397,9 +375,11 @@ def request_headers(
     headers.update(stored_headers)
     if endpoint.auth is not None and not isinstance(endpoint.auth, httpx.Auth):
         headers.update(endpoint.auth())
+    if endpoint.tenant_auth is not None:
+        headers.update(endpoint.tenant_auth(tenant))
     if has_body:
         headers.setdefault("content-type", "application/json")
-    headers[endpoint.idempotency_header] = operation_id
+    headers[endpoint.idempotency_header] = endpoint.wire_key(tenant, operation_id)
     headers[endpoint.request_id_header] = request_id
     if endpoint.tenant_header is not None:
         headers[endpoint.tenant_header] = tenant
@@ -418,7 +398,9 @@ async def send_attempt(
 ) -> AttemptResult:
     """Send one attempt under a total deadline and classify the result.
 
-    ``now_ms`` is a callable giving the clock's time (for Retry-After dates).
+    ``now_ms`` is a callable giving the clock's time (for Retry-After dates). An
+    endpoint classifier that raises never stops the operation: the attempt is recorded
+    as ``unknown`` with the exception named, and retried under the policy.
     """
     started = time.monotonic()
     response: httpx.Response | None = None
@@ -432,7 +414,7 @@ async def send_attempt(
                     classification=Classification(Verdict.FAILED, Delivery.NOT_SENT),
                     status_code=None,
                     receiver_request_id=None,
-                    error_class="UnsafePath",
+                    error_class=ErrorClass.UNSAFE_PATH.value,
                     error_message="not sent: the stored path leaves the endpoint's base URL",
                     duration_ms=0,
                     result=None,
@@ -443,35 +425,74 @@ async def send_attempt(
             finally:
                 await response.aclose()
     except Exception as exc:
-        override = endpoint.classify(exc) if endpoint.classify else None
-        classification = override or classify_exception(exc)
-        if isinstance(exc, TimeoutError) and response is not None:
+        timed_out = isinstance(exc, TimeoutError)
+        error_class = (
+            ErrorClass.ATTEMPT_DEADLINE_EXCEEDED.value if timed_out else type(exc).__name__
+        )
+        error_message = (
+            f"no complete response within the attempt deadline of {endpoint.timeout}s"
+            if timed_out
+            else clean_message(str(exc) or repr(exc))
+        )
+        try:
+            override = endpoint.classify(exc) if endpoint.classify else None
+        except Exception as failure:
+            classification, error_class, error_message = _classifier_failed(failure)
+        else:
+            classification = override or classify_exception(exc)
+        if timed_out and response is not None:
             classification = Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True)
         return AttemptResult(
             classification=classification,
             status_code=response.status_code if response is not None else None,
             receiver_request_id=None,
-            error_class=type(exc).__name__
-            if not isinstance(exc, TimeoutError)
-            else "AttemptDeadlineExceeded",
-            error_message=clean_message(str(exc) or repr(exc))
-            if not isinstance(exc, TimeoutError)
-            else f"no complete response within the attempt deadline of {endpoint.timeout}s",
+            error_class=error_class,
+            error_message=error_message,
             duration_ms=int((time.monotonic() - started) * 1000),
             result=None,
         )
     raw = _redact_credentials(raw, response.request.headers)
-    override = endpoint.classify(response) if endpoint.classify else None
-    classification = override or classify_response(response, raw, now_ms())
+    failed_class: str | None = None
+    failed_message: str | None = None
+    try:
+        override = (
+            endpoint.classify(_read_response(response, raw, endpoint.result_body_limit))
+            if endpoint.classify
+            else None
+        )
+    except Exception as failure:
+        classification, failed_class, failed_message = _classifier_failed(failure)
+    else:
+        classification = override or classify_response(
+            response, raw, now_ms(), replay_status=endpoint.replay_status
+        )
     keep = classification.verdict in (Verdict.SUCCESS, Verdict.FAILED, Verdict.KEY_CONFLICT)
+    if failed_message is None and classification.verdict is not Verdict.SUCCESS:
+        failed_message = clean_message(raw[:300].decode("utf-8", errors="replace"))
     return AttemptResult(
         classification=classification,
         status_code=response.status_code,
-        receiver_request_id=_receiver_request_id(response),
-        error_class=None,
-        error_message=None
-        if classification.verdict is Verdict.SUCCESS
-        else clean_message(raw[:300].decode("utf-8", errors="replace")),
+        receiver_request_id=_receiver_request_id(
+            response, response.request.headers.get(endpoint.request_id_header)
+        ),
+        error_class=failed_class,
+        error_message=failed_message,
         duration_ms=int((time.monotonic() - started) * 1000),
         result=_stored_result(endpoint, response, raw) if keep else None,
     )
+
+
+__all__ = [
+    "IN_PROGRESS_STATUS",
+    "MAYBE_APPLIED_STATUSES",
+    "REFUSAL_STATUSES",
+    "AiohttpTransport",
+    "AttemptResult",
+    "Classification",
+    "build_client",
+    "classify_exception",
+    "classify_response",
+    "is_key_mismatch",
+    "request_headers",
+    "send_attempt",
+]

@@ -31,6 +31,7 @@ from outbox.model import (
     BLOCKING_STATES,
     Attempt,
     Delivery,
+    ErrorClass,
     Operation,
     Reason,
     Result,
@@ -296,6 +297,8 @@ class Store:
         o.c.lease_until,
         o.c.created_at,
         o.c.traceparent,
+        o.c.attempts_in_progress,
+        o.c.policy_window_ms,
     )
 
     def claim(
@@ -337,6 +340,8 @@ class Store:
                     lease_until=r.lease_until,
                     created_at=r.created_at,
                     traceparent=r.traceparent,
+                    attempts_in_progress=r.attempts_in_progress,
+                    policy_window_ms=r.policy_window_ms,
                 )
                 for r in rows
             ]
@@ -357,7 +362,7 @@ class Store:
             .values(
                 delivery=Delivery.UNKNOWN.value,
                 finished_at=now_ms,
-                error_class="LeaseExpired",
+                error_class=ErrorClass.LEASE_EXPIRED.value,
                 error_message=(
                     "the dispatcher's lease expired before it recorded an outcome "
                     "(it crashed, was killed or paused); the request may have been sent"
@@ -406,6 +411,7 @@ class Store:
                     attempts_counted=o.c.attempts_counted + 1,
                     first_attempt_at=func.coalesce(o.c.first_attempt_at, now_ms),
                     window_started_at=func.coalesce(o.c.window_started_at, now_ms),
+                    last_error=None,
                     updated_at=now_ms,
                 )
                 .returning(o.c.id, o.c.attempts_total, o.c.first_attempt_at, o.c.window_started_at)
@@ -461,7 +467,7 @@ class Store:
             mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
             if not mine:
                 return set()
-            groups: dict[tuple[bool, bool, bool], list[dict[str, Any]]] = {}
+            groups: dict[tuple[bool, bool, bool, bool], list[dict[str, Any]]] = {}
             for out in mine:
                 params: dict[str, Any] = {
                     "b_pk": out.pk,
@@ -482,7 +488,7 @@ class Store:
                         b_rsize=out.result.size,
                         b_rtrunc=out.result.truncated,
                     )
-                shape = (out.counted, out.state.is_settled, out.result is not None)
+                shape = (out.counted, out.state.is_settled, out.result is not None, out.in_progress)
                 groups.setdefault(shape, []).append(params)
             for shape, rows in groups.items():
                 conn.execute(_outcome_update(*shape), rows)
@@ -519,6 +525,7 @@ class Store:
                     .values(
                         state=s.state.value,
                         reason=s.reason.value if s.reason else None,
+                        last_error=s.last_error,
                         next_attempt_at=None,
                         lease_token=None,
                         lease_owner=None,
@@ -531,16 +538,36 @@ class Store:
                     written.add(s.pk)
         return written
 
-    def release(self, *, token: str, now_ms: int, pks: Sequence[int], delay_ms: int = 0) -> int:
-        """Give back claimed operations without an attempt, due again after ``delay_ms``."""
+    def release(
+        self,
+        *,
+        token: str,
+        now_ms: int,
+        pks: Sequence[int],
+        delay_ms: int = 0,
+        last_error: str | None = None,
+    ) -> int:
+        """Give back claimed operations without an attempt, due again after ``delay_ms``.
+
+        ``last_error`` says why they could not be sent (shown to operators, counted by
+        ``status``); it is cleared by the next attempt. With it, the retry window starts
+        now if it has not started: an operation no dispatcher can send still ends.
+        """
         if not pks:
             return 0
+        extra: dict[str, Any] = {}
+        if last_error is not None:
+            extra = {
+                "last_error": last_error,
+                "window_started_at": func.coalesce(o.c.window_started_at, now_ms),
+            }
         with self.write() as conn:
             return conn.execute(
                 update(o)
                 .where(o.c.id.in_(list(pks)), o.c.lease_token == token)
                 .values(
                     state=State.PENDING.value,
+                    **extra,
                     next_attempt_at=now_ms + delay_ms,
                     lease_token=None,
                     lease_owner=None,
@@ -708,16 +735,16 @@ class Store:
             )
 
 
-_OUTCOME_UPDATES: dict[tuple[bool, bool, bool], Any] = {}
+_OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}
 
 
-def _outcome_update(counted: bool, settled: bool, has_result: bool) -> Any:
+def _outcome_update(counted: bool, settled: bool, has_result: bool, in_progress: bool) -> Any:
     """The prepared, fenced UPDATE of an operation for one kind of attempt outcome.
 
     Built once per kind and executed with parameters: building a statement with literal
     ``.values()`` per row costs SQLAlchemy more than the database spends running it.
     """
-    key = (counted, settled, has_result)
+    key = (counted, settled, has_result, in_progress)
     stmt = _OUTCOME_UPDATES.get(key)
     if stmt is None:
         values: dict[str, Any] = {
@@ -733,6 +760,8 @@ def _outcome_update(counted: bool, settled: bool, has_result: bool) -> Any:
         }
         if not counted:
             values["attempts_counted"] = o.c.attempts_counted - 1
+        if in_progress:
+            values["attempts_in_progress"] = o.c.attempts_in_progress + 1
         if settled:
             values["finished_at"] = bindparam("b_now")
         if has_result:
@@ -857,6 +886,8 @@ def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         version=r.version,
         result=result,
         attempts=history,
+        attempts_in_progress=r.attempts_in_progress or 0,
+        last_error=r.last_error,
     )
 
 

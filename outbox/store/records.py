@@ -30,6 +30,9 @@ class Claimed:
     created_at: int | None = None
     #: The W3C trace context active at enqueue, when tracing was on.
     traceparent: str | None = None
+    attempts_in_progress: int = 0
+    #: The retry window snapshotted at enqueue, if any (see ``policy_window_ms``).
+    policy_window_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class AttemptOutcome:
     maybe_delivered: bool
     saw_refusal: bool
     result: StoredResult | None = None
+    #: A "still processing" answer: counts towards the in-progress budget.
+    in_progress: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +98,5 @@ class Settlement:
     lease_token: str
     state: State
     reason: Reason | None
+    #: Why it could not be sent (kept on the operation as ``last_error``), if so.
+    last_error: str | None = None

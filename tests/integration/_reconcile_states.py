@@ -309,6 +309,8 @@ OPERATION_KEYS = {
     "ordering_key",
     "attempts_counted",
     "attempts_total",
+    "attempts_in_progress",
+    "last_error",
     "created_at",
     "updated_at",
     "next_attempt_at",

@@ -29,8 +29,10 @@ from outbox import (
     ValidationError,
 )
 
-INVENTORY = Endpoint(name="inventory", base_url="https://inventory.example")
-BILLING = Endpoint(name="billing", base_url="https://billing.example")
+INVENTORY = Endpoint(
+    name="inventory", base_url="https://inventory.example", tenant_header="X-Tenant"
+)
+BILLING = Endpoint(name="billing", base_url="https://billing.example", tenant_header="X-Tenant")
 
 ARGS: dict[str, Any] = {
     "endpoint": "inventory",
@@ -205,7 +207,8 @@ _RACER = textwrap.dedent(
     from outbox import Endpoint, OperationConflict, Outbox
 
     url, mode, proc, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    ob = Outbox(url, endpoints=[Endpoint(name="inventory", base_url="https://inv.example")])
+    ob = Outbox(url, endpoints=[Endpoint(name="inventory", base_url="https://inv.example",
+                                         tenant_header="X-Tenant")])
     barrier = threading.Barrier(n + 1)
     results = [None] * n
 

@@ -9,7 +9,13 @@ import pytest
 from tenacity import wait_fixed
 
 from outbox import Endpoint, Reason, RetryPolicy, State, Verdict
-from outbox.policy import backoff_seconds, decide, parse_retry_after, reason_from_history
+from outbox.policy import (
+    backoff_seconds,
+    decide,
+    in_progress_backoff_seconds,
+    parse_retry_after,
+    reason_from_history,
+)
 
 NOW = 1_800_000_000_000
 EP = Endpoint(
@@ -21,10 +27,11 @@ EP = Endpoint(
 
 
 def _decide(verdict: Verdict, *, counted: int = 1, maybe: bool = False, refused: bool = False,
-            retry_after: float | None = None, deadline: int = NOW + 60_000) -> tuple:
-    d = decide(endpoint=EP, verdict=verdict, attempts_counted=counted, maybe_delivered=maybe,
-               saw_refusal=refused, retry_after_seconds=retry_after, deadline_ms=deadline,
-               now_ms=NOW)
+            retry_after: float | None = None, deadline: int = NOW + 60_000,
+            in_progress: int = 0, now: int = NOW, endpoint: Endpoint = EP) -> tuple:
+    d = decide(endpoint=endpoint, verdict=verdict, attempts_counted=counted,
+               maybe_delivered=maybe, saw_refusal=refused, retry_after_seconds=retry_after,
+               deadline_ms=deadline, now_ms=now, attempts_in_progress=in_progress)
     return d.state, d.reason, d.next_attempt_at_ms
 
 
@@ -53,12 +60,51 @@ def test_attempts_spent() -> None:
 
 
 def test_in_progress_does_not_spend_attempts_but_the_window_bounds_it() -> None:
-    assert _decide(Verdict.IN_PROGRESS, counted=3, maybe=True)[0] is State.PENDING
-    assert _decide(Verdict.IN_PROGRESS, counted=3, maybe=True, deadline=NOW)[0] is State.UNRESOLVED
+    assert _decide(Verdict.IN_PROGRESS, counted=3, maybe=True, in_progress=1)[0] is State.PENDING
+    assert _decide(
+        Verdict.IN_PROGRESS, counted=3, maybe=True, in_progress=1, deadline=NOW
+    )[0] is State.UNRESOLVED
+
+
+def test_in_progress_answers_have_their_own_budget() -> None:
+    budget = EP.retry.in_progress_budget
+    assert _decide(Verdict.IN_PROGRESS, maybe=True, in_progress=budget - 1)[0] is State.PENDING
+    assert _decide(Verdict.IN_PROGRESS, maybe=True, in_progress=budget)[:2] == (
+        State.UNRESOLVED, Reason.RECEIVER_BUSY)
+    zero = Endpoint(name="z", base_url="http://127.0.0.1:1",
+                    retry=RetryPolicy(in_progress_budget=0))
+    assert _decide(Verdict.IN_PROGRESS, maybe=True, in_progress=1, endpoint=zero)[:2] == (
+        State.UNRESOLVED, Reason.RECEIVER_BUSY)
+
+
+def test_in_progress_backoff_never_under_a_second_and_growing() -> None:
+    for n in range(1, 12):
+        samples = [in_progress_backoff_seconds(EP, n) for _ in range(50)]
+        floor = min(2 ** (n - 1), 60)
+        assert all(floor <= s <= 2 * floor for s in samples), (n, min(samples), max(samples))
+    assert len({in_progress_backoff_seconds(EP, 3) for _ in range(20)}) > 1  # jittered
+    # The schedule follows the backoff, not a fixed poll.
+    state, _, next_at = _decide(Verdict.IN_PROGRESS, maybe=True, in_progress=4)
+    assert state is State.PENDING and NOW + 8000 <= next_at <= NOW + 16_000
+
+
+def test_a_refusal_after_a_maybe_applied_attempt_is_conflicting_evidence() -> None:
+    assert _decide(Verdict.FAILED, maybe=False, refused=True)[:2] == (State.FAILED, None)
+    assert _decide(Verdict.FAILED, maybe=True)[:2] == (
+        State.UNRESOLVED, Reason.CONFLICTING_EVIDENCE)
 
 
 def test_backoff_is_shortened_to_land_inside_the_window() -> None:
-    assert _decide(Verdict.RETRY, deadline=NOW + 2000) == (State.PENDING, None, NOW + 2000)
+    # One last try, a little before the deadline (a tenth of the window, at most 1 s)...
+    assert _decide(Verdict.RETRY, deadline=NOW + 2000) == (State.PENDING, None, NOW + 1000)
+    # ...and once inside that last stretch, no further one.
+    assert _decide(Verdict.RETRY, deadline=NOW + 1000)[0] is State.UNRESOLVED
+    assert _decide(Verdict.RETRY, deadline=NOW + 900)[0] is State.UNRESOLVED
+
+
+def test_retry_after_inside_the_last_stretch_is_not_shortened() -> None:
+    state, _, _ = _decide(Verdict.RETRY, retry_after=59.5, refused=True)
+    assert state is State.UNRESOLVED
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,200 @@
+"""How a receiver's answer is read: the one table of classification rules.
+
+The status code gives the default reading, from the IETF ``Idempotency-Key`` draft
+(409: a request with this key is still being processed; 422: the key was used with
+another payload). Real receivers disagree with it (a payload conflict sent as 409, a
+stale version sent as 409, a key conflict sent as 400), so the JSON body breaks the tie:
+its ``error`` / ``code`` / ``type`` / ``detail`` / ``message`` / ``title`` fields (and
+``error.code`` / ``error.type`` / ``error.message``; RFC 9457 problem details included)
+are searched for the markers below.
+
+========================  ==========================================================
+answer                    reading
+========================  ==========================================================
+2xx                       success
+409 + in-progress marker  still processing (own budget, growing backoff)
+409 + stale marker        failed (a stale-version refusal, like 412)
+409 + conflict marker     key_conflict
+409 + ``replay_status``   success: a replay whose body is the result
+409, anything else        still processing (the draft's reading; also a bodiless 409)
+400 / 422 + stale marker  failed
+400 / 422 + conflict      key_conflict (unless the body says "in progress")
+408, 425, 429, 503        retry, refused before work
+500, 502, 504, other 5xx  retry, may have been applied
+other 4xx, 1xx, 3xx       failed (redirects are never followed)
+========================  ==========================================================
+
+A definitive refusal that follows an attempt which may have been applied is not proof
+that nothing happened: the retry policy turns it into ``conflicting_evidence``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from outbox.model import Delivery, Verdict
+from outbox.policy import parse_retry_after
+
+#: Retry, spending an attempt: the receiver refused before doing work.
+REFUSAL_STATUSES = frozenset({408, 425, 429, 503})
+#: Retry, spending an attempt: the receiver (or a gateway) may have done the work.
+MAYBE_APPLIED_STATUSES = frozenset({500, 502, 504})
+#: The IETF Idempotency-Key draft's "a request with this key is still being processed".
+IN_PROGRESS_STATUS = 409
+#: Statuses whose body may name a key or payload conflict.
+CONFLICT_STATUSES = frozenset({400, 409, 422})
+
+#: Markers, matched on the body's words lower-cased with ``_`` and ``-`` read as spaces.
+IN_PROGRESS_MARKERS = ("in progress", "in use", "processing", "being processed", "pending")
+STALE_MARKERS = (
+    "stale",
+    "precondition",
+    "version conflict",
+    "version mismatch",
+    "expected version",
+    "outdated",
+)
+CONFLICT_MARKERS = (
+    "conflict",
+    "mismatch",
+    "reuse",
+    "idempotency error",
+    "different request",
+    "different payload",
+    "different body",
+    "different parameters",
+    "different arguments",
+    "already used",
+    "previously used",
+    "does not match",
+)
+
+_FIELDS = ("error", "code", "type", "detail", "message", "title")
+_NESTED = ("code", "type", "message", "detail", "title")
+_SEPARATORS = re.compile(r"[\s_\-]+")
+#: Bytes of a non-JSON body searched for markers.
+_TEXT_LIMIT = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """The verdict on one attempt, and what it says about delivery.
+
+    Returned by the default rules and by an endpoint's own ``classify`` callable.
+    """
+
+    verdict: Verdict
+    delivery: Delivery
+    #: The receiver may have applied the operation (feeds the reconciliation reason).
+    maybe_applied: bool = False
+    #: The receiver refused before doing any work (503, 429, ...).
+    refused: bool = False
+    retry_after_seconds: float | None = None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for name in _NESTED:
+            nested = value.get(name)
+            if isinstance(nested, str):
+                yield nested
+
+
+def body_words(body: bytes) -> str:
+    """The words of a body that may name a conflict, normalised for marker matching."""
+    texts: list[str] = []
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, RecursionError):
+        data = body[:_TEXT_LIMIT].decode("utf-8", errors="replace")
+    if isinstance(data, str):
+        texts.append(data)
+    elif isinstance(data, dict):
+        for name in _FIELDS:
+            texts.extend(_strings(data.get(name)))
+    return " | ".join(_SEPARATORS.sub(" ", t.lower()) for t in texts)
+
+
+def _has(words: str, markers: tuple[str, ...]) -> bool:
+    return any(marker in words for marker in markers)
+
+
+def body_reading(body: bytes) -> str | None:
+    """What the body says: ``in_progress``, ``stale``, ``conflict`` or None."""
+    words = body_words(body)
+    if not words:
+        return None
+    if _has(words, IN_PROGRESS_MARKERS):
+        return "in_progress"
+    if _has(words, STALE_MARKERS):
+        return "stale"
+    if _has(words, CONFLICT_MARKERS):
+        return "conflict"
+    return None
+
+
+def is_key_mismatch(response: httpx.Response, body: bytes) -> bool:
+    """Does a 400, 409 or 422 say the key is bound to a different payload?"""
+    return response.status_code in CONFLICT_STATUSES and body_reading(body) == "conflict"
+
+
+def classify_response(
+    response: httpx.Response, body: bytes, now_ms: int, *, replay_status: int | None = None
+) -> Classification:
+    """The default rules (the table in this module's docstring)."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return Classification(Verdict.SUCCESS, Delivery.SENT, maybe_applied=True)
+    retry_after = parse_retry_after(response.headers.get("retry-after"), now_ms)
+    reading = body_reading(body) if status in CONFLICT_STATUSES else None
+    if status == IN_PROGRESS_STATUS or (replay_status is not None and status == replay_status):
+        if reading == "stale":
+            return Classification(Verdict.FAILED, Delivery.SENT)
+        if reading == "conflict":
+            return Classification(Verdict.KEY_CONFLICT, Delivery.SENT)
+        if reading != "in_progress" and status == replay_status:
+            # The endpoint declared that its receiver replays with this status: the body
+            # is the stored result of the first request.
+            return Classification(Verdict.SUCCESS, Delivery.SENT, maybe_applied=True)
+        if status == IN_PROGRESS_STATUS:
+            # The receiver holds the key: an earlier attempt reached it.
+            return Classification(
+                Verdict.IN_PROGRESS,
+                Delivery.SENT,
+                maybe_applied=True,
+                retry_after_seconds=retry_after,
+            )
+    if status in REFUSAL_STATUSES:
+        return Classification(
+            Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after
+        )
+    if status in MAYBE_APPLIED_STATUSES or status >= 500:
+        return Classification(
+            Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
+        )
+    if reading == "conflict":
+        return Classification(Verdict.KEY_CONFLICT, Delivery.SENT)
+    # Other 4xx (a stale version included), and 1xx/3xx (redirects are never followed).
+    return Classification(Verdict.FAILED, Delivery.SENT)
+
+
+__all__ = [
+    "CONFLICT_MARKERS",
+    "IN_PROGRESS_MARKERS",
+    "IN_PROGRESS_STATUS",
+    "MAYBE_APPLIED_STATUSES",
+    "REFUSAL_STATUSES",
+    "STALE_MARKERS",
+    "Classification",
+    "body_reading",
+    "classify_response",
+    "is_key_mismatch",
+]
