@@ -76,6 +76,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, Literal, Self, TypeVar
 
+from outbox.testing.dialects import DIALECTS, Dialect, dialect_named
+
 __all__ = [
     "Effect",
     "EffectHandler",
@@ -769,9 +771,11 @@ class _Service:
         plan: _FaultPlan,
         on_clear: Callable[[], None],
         flaw: Flaw | None = None,
+        dialect: Dialect = DIALECTS["ietf"],
     ) -> None:
         self._ttl_ms = None if key_ttl_seconds is None else int(key_ttl_seconds * 1000)
         self._flaw = flaw
+        self._dialect = dialect
         self._tenant_header = tenant_header
         self._handler = handler
         self.plan = plan
@@ -952,14 +956,18 @@ class _Service:
             return self._fail_reply(random_fail, base)
         if stuck:
             _mark_stuck(conn, req.tenant, req.key)
-            self._set_outcome(conn, seq, "in_progress", 409)
-            return _Reply(409, _json_bytes({"error": "idempotency_key_in_use"}), base)
+            return self._in_progress(conn, seq, base)
         conn.execute(
             "INSERT INTO receipts (tenant, idempotency_key, payload_hash, state,"
             " created_at_ms) VALUES (?, ?, ?, 'processing', ?)",
             (req.tenant, req.key, payload_hash, req.arrived_at_ms),
         )
         return seq
+
+    def _in_progress(self, conn: sqlite3.Connection, seq: int, base: _Headers) -> _Reply:
+        status = self._dialect.in_progress_status
+        self._set_outcome(conn, seq, "in_progress", status)
+        return _Reply(status, _json_bytes(self._dialect.in_progress_body), base)
 
     @staticmethod
     def _fail_reply(rule: _Rule, base: _Headers) -> _Reply:
@@ -978,17 +986,12 @@ class _Service:
         base: _Headers,
     ) -> _Reply:
         if row["state"] == "processing":
-            self._set_outcome(conn, seq, "in_progress", 409)
-            return _Reply(409, _json_bytes({"error": "idempotency_key_in_use"}), base)
+            return self._in_progress(conn, seq, base)
+        dialect = self._dialect
         if row["payload_hash"] != payload_hash and self._flaw != "accepts_changed_payload":
-            self._set_outcome(conn, seq, "conflict", 422)
-            body = {
-                "error": "idempotency_key_reused",
-                "detail": "this Idempotency-Key was first used with a different request "
-                "(method, path or body); the first result is kept",
-            }
-            return _Reply(422, _json_bytes(body), base)
-        status = int(row["response_status"])
+            self._set_outcome(conn, seq, "conflict", dialect.conflict_status)
+            return _Reply(dialect.conflict_status, _json_bytes(dialect.conflict_body), base)
+        status = dialect.replay_status or int(row["response_status"])
         self._set_outcome(conn, seq, "replayed", status)
         headers = (*base, ("Idempotent-Replayed", "true"))
         if self._flaw == "caches_request_id":  # flaw: the first request's X-Request-ID
@@ -1446,6 +1449,10 @@ class Receiver(_Oracle):
     ``"accepts_changed_payload"`` (a reused key with other arguments replays the first
     result with its 2xx instead of answering 422) and ``"forgets_keys_after"`` (an alias
     making ``key_ttl_seconds``, which it requires, explicit).
+
+    ``dialect`` words the idempotency answers like a family of real receivers (see
+    :mod:`outbox.testing.dialects`): ``"ietf"`` (the default), ``"article"``,
+    ``"stripe-like"``, ``"detail"`` or ``"replay-409"``.
     """
 
     def __init__(
@@ -1460,7 +1467,9 @@ class Receiver(_Oracle):
         handler: EffectHandler | None = None,
         random_faults: RandomFaults | None = None,
         flaw: Flaw | None = None,
+        dialect: str = "ietf",
     ) -> None:
+        self._dialect = dialect_named(dialect)
         if synchronous not in _SYNC_LEVELS:
             raise ValueError(f"synchronous must be one of {_SYNC_LEVELS}")
         if flaw is not None and flaw not in _FLAWS:
@@ -1523,6 +1532,7 @@ class Receiver(_Oracle):
             plan=self._plan,
             on_clear=self._clear_faults,
             flaw=self._flaw,
+            dialect=self._dialect,
         )
         try:
             server = self._bind(service)
@@ -1616,6 +1626,7 @@ class Receiver(_Oracle):
         synchronous: Synchronous = "FULL",
         random_faults: RandomFaults | None = None,
         startup_timeout_seconds: float = 15.0,
+        dialect: str = "ietf",
     ) -> RemoteReceiver:
         """Run ``python -m outbox.testing.receiver`` in its own process.
 
@@ -1635,6 +1646,8 @@ class Receiver(_Oracle):
             tenant_header,
             "--synchronous",
             synchronous,
+            "--dialect",
+            dialect_named(dialect).name,
         ]
         if key_ttl_seconds is not None:
             argv += ["--key-ttl", repr(key_ttl_seconds)]
@@ -1813,6 +1826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--key-ttl", type=float, default=None, help="forget receipts after S s")
     parser.add_argument("--tenant-header", default="X-Tenant")
     parser.add_argument("--synchronous", default="FULL", choices=_SYNC_LEVELS)
+    parser.add_argument("--dialect", default="ietf", choices=sorted(DIALECTS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
     for flag in (
         "drop-after-commit",
@@ -1853,6 +1867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tenant_header=args.tenant_header,
         synchronous=args.synchronous,
         random_faults=random_faults,
+        dialect=args.dialect,
     ) as rx:
         print(f"listening {rx.url}", flush=True)
         while not stop.wait(0.2):

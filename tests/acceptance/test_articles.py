@@ -10,8 +10,11 @@ test (a raw httpx loop, an ``httpx.Auth`` that rewrites the key, a subclass, a h
 writing outside the receipt transaction). The broken run must be caught by the same
 oracle; a test whose oracle cannot tell the two apart proves nothing.
 
-Tests that involve the outbox's own database run on SQLite and on PostgreSQL (``db_url``).
-Time is a FakeClock: backoff is crossed by advancing it, never by sleeping.
+Tests that involve the outbox's own database run on SQLite and on PostgreSQL (``db_url``),
+and every contract runs against each receiver dialect (``outbox.testing.dialects``: the
+same behaviour worded as the IETF draft, the article, Stripe, FastAPI middlewares, or a
+replay answered 409). Time is a FakeClock: backoff is crossed by advancing it, never by
+sleeping.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ from outbox import (
     Reason,
     RetryPolicy,
     State,
+    ValidationError,
     create_engine,
 )
 from outbox.store.migrate import upgrade
+from outbox.testing.dialects import DIALECTS, Dialect, endpoint_options
 from outbox.testing.receiver import EffectHandler, Receiver, Refuse
 from tests.conftest import POSTGRES_URL
 
@@ -60,13 +65,21 @@ MakeOutbox = Callable[..., Outbox]
 # --------------------------------------------------------------------------- helpers
 
 
+@pytest.fixture(params=sorted(DIALECTS))
+def dialect(request: pytest.FixtureRequest) -> Dialect:
+    """The wording of the receivers' idempotency answers."""
+    return DIALECTS[request.param]
+
+
 @pytest.fixture
-def receivers(tmp_path: Path) -> Iterator[MakeReceiver]:
+def receivers(tmp_path: Path, dialect: Dialect) -> Iterator[MakeReceiver]:
     """Start receivers, each on its own SQLite file; all closed after the test."""
     made: list[Receiver] = []
 
     def make(name: str = "rx", *, handler: EffectHandler | None = None) -> Receiver:
-        rx = Receiver(tmp_path / f"receiver-{name}.sqlite3", handler=handler)
+        rx = Receiver(
+            tmp_path / f"receiver-{name}.sqlite3", handler=handler, dialect=dialect.name
+        )
         made.append(rx)
         return rx.start()
 
@@ -108,7 +121,7 @@ def new_db(db_url: str, tmp_path: Path) -> Iterator[Callable[[], str]]:
 
 
 @pytest.fixture
-def outboxes(db_url: str) -> Iterator[MakeOutbox]:
+def outboxes(db_url: str, dialect: Dialect) -> Iterator[MakeOutbox]:
     """Outboxes on the test's database (SQLite or PostgreSQL), with a fixed backoff of
     one second and a FakeClock; all closed after the test."""
     made: list[Outbox] = []
@@ -130,6 +143,7 @@ def outboxes(db_url: str) -> Iterator[MakeOutbox]:
             key_retention=timedelta(hours=1),
             tenant_header=tenant_header,
             auth=auth,
+            **endpoint_options(dialect.name),
         )
         ob = outbox_class(db or db_url, endpoints=[endpoint], clock=FakeClock())
         made.append(ob)
@@ -251,7 +265,7 @@ def test_lost_response_after_commit_two_request_ids_one_operation_one_effect(
 
 
 def test_payload_conflict_under_one_key_keeps_the_first_result(
-    receivers: MakeReceiver, outboxes: MakeOutbox, new_db: Callable[[], str]
+    receivers: MakeReceiver, outboxes: MakeOutbox, new_db: Callable[[], str], dialect: Dialect
 ) -> None:
     changed = {"sku": "TEST-BOLT", "quantity": 3}
 
@@ -274,7 +288,7 @@ def test_payload_conflict_under_one_key_keeps_the_first_result(
     rx = receivers("correct")
     second = scenario(outboxes(rx), rx)
     assert (second.state, second.reason) == (State.UNRESOLVED, Reason.KEY_CONFLICT)
-    assert [a.status_code for a in second.attempts] == [422]
+    assert [a.status_code for a in second.attempts] == [dialect.conflict_status]
     assert rx.effect_count() == 1
     [effect] = rx.effects()
     assert json.loads(effect.body) == BODY
@@ -289,7 +303,7 @@ def test_payload_conflict_under_one_key_keeps_the_first_result(
         headers={"Idempotency-Key": "order-17", "X-Request-ID": "attempt-3",
                  "Content-Type": "application/json"},
     )  # fmt: skip
-    assert (response.status_code, response.json()) == (201, first_result)
+    assert (response.status_code, response.json()) == (dialect.replay_status or 201, first_result)
     assert response.headers["X-Request-ID"] == "attempt-3"
     assert rx.effect_count() == 1
 
@@ -302,7 +316,10 @@ def test_payload_conflict_under_one_key_keeps_the_first_result(
 
 
 def test_tenants_scope_operation_ids(
-    receivers: MakeReceiver, outboxes: MakeOutbox, new_db: Callable[[], str]
+    receivers: MakeReceiver,
+    outboxes: MakeOutbox,
+    new_db: Callable[[], str],
+    dialect: Dialect,
 ) -> None:
     def scenario(ob: Outbox) -> list[Operation]:
         reserve(ob, "op-1", tenant="test-A")
@@ -311,6 +328,7 @@ def test_tenants_scope_operation_ids(
         [b] = settle(ob, "op-1", tenant="test-B")
         return [a, b]
 
+    # The receiver scopes keys by the tenant header.
     rx = receivers("correct")
     a, b = scenario(outboxes(rx))
     assert a.state is b.state is State.SUCCEEDED
@@ -318,10 +336,43 @@ def test_tenants_scope_operation_ids(
     first, second = effect_ids(a, b)
     assert first != second
 
-    # Broken: the endpoint never tells the receiver the tenant, so both land in one
-    # namespace. Both "succeed"; tenant B's reservation was silently suppressed.
+    # The tenant in the key: two keys, two effects, at a receiver that knows no tenants.
+    rx = receivers("key-prefix")
+    prefixed = Endpoint(
+        name="rx", base_url=rx.url, timeout=2.0, tenant_scope="key_prefix",
+        retry=RetryPolicy(max_attempts=6, window=timedelta(seconds=60), wait=wait_fixed(1)),
+        key_retention=timedelta(hours=1), **endpoint_options(dialect.name),
+    )  # fmt: skip
+    with Outbox(new_db(), endpoints=[prefixed], clock=FakeClock()) as ob:
+        a, b = scenario(ob)
+    assert a.state is b.state is State.SUCCEEDED
+    assert sorted(e.key for e in rx.effects()) == ["test-A/op-1", "test-B/op-1"]
+    assert {e.tenant for e in rx.effects()} == {""}
+
+    # No scope declared: refused at enqueue, nothing written, nothing sent.
     rx = receivers("no-tenant")
-    a, b = scenario(outboxes(rx, tenant_header=None, db=new_db()))
+    db = new_db()
+    ob = outboxes(rx, tenant_header=None, db=db)
+    with pytest.raises(ValidationError, match=r"declares no tenant scope.*tenant_header"):
+        reserve(ob, "op-1", tenant="test-A")
+    engine = sqlalchemy.create_engine(db)
+    with engine.connect() as conn:
+        assert conn.execute(sqlalchemy.text("SELECT count(*) FROM outbox_operations")).scalar() == 0
+    engine.dispose()
+    ob.dispatch_once()
+    assert rx.requests() == []
+
+    # Broken: per-tenant credentials declared, but every tenant gets the same ones. Both
+    # "succeed"; tenant B's reservation was silently suppressed, and only the store shows it.
+    rx = receivers("shared-credentials")
+    liar = Endpoint(
+        name="rx", base_url=rx.url, timeout=2.0, tenant_scope="credentials",
+        tenant_auth=lambda tenant: {"X-Api-Key": "one-key-for-everyone"},
+        retry=RetryPolicy(max_attempts=6, window=timedelta(seconds=60), wait=wait_fixed(1)),
+        key_retention=timedelta(hours=1), **endpoint_options(dialect.name),
+    )  # fmt: skip
+    with Outbox(new_db(), endpoints=[liar], clock=FakeClock()) as ob:
+        a, b = scenario(ob)
     assert a.state is b.state is State.SUCCEEDED
     assert rx.effect_count() == 1
     assert effect_ids(a, b)[0] == effect_ids(a, b)[1]
@@ -561,11 +612,12 @@ def test_replay_after_a_later_edit_returns_history_and_keeps_the_newer_value(
     assert row(rx.db_path) == (60, 3)
     assert rx.effect_count() == 2
 
-    # Broken: a new key per attempt. The version check refuses edit-42's own retry, so
-    # the caller records a failure for a change the store shows applied.
+    # Broken: a new key per attempt. The version check refuses edit-42's own retry. The
+    # outbox does not call that a failure (a refusal after an attempt that may have been
+    # applied proves nothing) but it cannot settle it either: the store shows it applied.
     rx = settings_receiver(receivers, "key-per-attempt")
     op = scenario(outboxes(rx, auth=KeyPerAttempt(), db=new_db()), rx)
-    assert op.state is State.FAILED
+    assert (op.state, op.reason) == (State.UNRESOLVED, Reason.CONFLICTING_EVIDENCE)
     assert op.result is not None and op.result.status_code == 412
     applied_by = {e.request_id for e in rx.effects()}
     assert op.attempts[0].request_id in applied_by  # the oracle: edit-42 did apply
@@ -665,8 +717,9 @@ def test_a_rolled_back_receipt_write_leaves_no_change(
     rx = settings_receiver(receivers, "outside", handler=outside_handler)
     op = scenario(rx, separate, new_db())
     assert observed_before_retry == [(30, 2)]  # the oracle: a change without a receipt
-    # ... and the version check then refuses the operation's own retry.
-    assert op.state is State.FAILED
+    # ... and the version check then refuses the operation's own retry. After a 500 that
+    # may have been applied, the outbox does not call that refusal a failure.
+    assert (op.state, op.reason) == (State.UNRESOLVED, Reason.CONFLICTING_EVIDENCE)
     assert op.result is not None and op.result.status_code == 412
 
 
