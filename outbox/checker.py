@@ -20,9 +20,13 @@ would, and reports one verdict per property:
     Several requests with one key at once yield one result.
 ``key_retained``
     The key is still honoured after a short delay: a hint about retention, no more.
+``tenants_kept_apart``
+    The same key under two tenants is two operations, the way the endpoint declares it
+    scopes tenants (header, key prefix or per-tenant credentials).
 
 Each verdict is passed (True), failed (False) or could not tell (None), with the status
-codes, truncated bodies and header values it rests on. The probes create real effects,
+codes, truncated bodies and header values it rests on. With ``strict`` an undecided
+verdict also makes the exit code non-zero. The probes create real effects,
 so the check refuses an endpoint not marked ``probe_safe=True`` unless told
 ``allow_unsafe=True``. Passing proves nothing about production: it is one test receiver,
 probed a few times, at one moment.
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from outbox.canonical import check_tenant
 from outbox.errors import ConfigurationError, ValidationError
 from outbox.lookup import LookupResult, LookupStatus, lookup_status
 from outbox.model import Verdict
@@ -53,6 +58,7 @@ __all__ = [
     "CHECKS",
     "NOTICE",
     "PROBE_PREFIX",
+    "PROBE_TENANTS",
     "CheckReport",
     "CheckVerdict",
     "UnsafeProbeRefused",
@@ -75,7 +81,10 @@ CHECKS: dict[str, str] = {
     "replay_fresh_request_id": "replay carries the current request ID",
     "concurrent_duplicates": "concurrent duplicates: one result",
     "key_retained": "key still honoured after a delay",
+    "tenants_kept_apart": "same key, two tenants: two operations",
 }
+#: The tenants the tenant-scoping probe sends as, unless told others.
+PROBE_TENANTS = (PROBE_PREFIX + "tenant-a", PROBE_PREFIX + "tenant-b")
 _BODY_EVIDENCE_CHARS = 500
 _MAX_BODY = 1024 * 1024
 
@@ -127,10 +136,14 @@ class CheckReport:
     probe_keys: tuple[str, ...]
     retention_delay_seconds: float
     notice: str = NOTICE
+    #: An undecided verdict counts as a failure too (``--strict``).
+    strict: bool = False
 
     @property
     def ok(self) -> bool:
-        """No verdict failed (some may be undecided)."""
+        """No verdict failed (some may be undecided; none, with ``strict``)."""
+        if self.strict and self.undecided:
+            return False
         return all(v.passed is not False for v in self.verdicts)
 
     @property
@@ -159,6 +172,7 @@ class CheckReport:
             "path": self.path,
             "tenant": self.tenant,
             "ok": self.ok,
+            "strict": self.strict,
             "failed": self.failed,
             "undecided": self.undecided,
             "verdicts": [v.as_dict() for v in self.verdicts],
@@ -254,14 +268,18 @@ class _Prober:
 
     async def send(self, key: str, body: bytes) -> _Probe:
         request_id = str(uuid.uuid4())
-        headers = request_headers(
-            self.endpoint,
-            stored_headers={},
-            operation_id=key,
-            request_id=request_id,
-            tenant=self.tenant,
-            has_body=True,
-        )
+        try:
+            headers = request_headers(
+                self.endpoint,
+                stored_headers={},
+                operation_id=key,
+                request_id=request_id,
+                tenant=self.tenant,
+                has_body=True,
+            )
+        except Exception as exc:  # a tenant_auth that does not know a probe tenant
+            error = clean_message(f"could not build the request: {type(exc).__name__}: {exc}")
+            return _Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
         response: httpx.Response | None = None
         try:
             async with asyncio.timeout(self.endpoint.timeout):
@@ -347,11 +365,32 @@ class _Observed:
     retained_again: _Probe
     delay: float
     lookups: dict[str, LookupResult | None]
+    tenant_probes: tuple[_Probe, _Probe] | None = None
+    replay_status: int | None = None
 
     @property
     def discriminating(self) -> bool:
         """Do results identify the effect (a new key got a different result)?"""
         return self.first.ok and self.other_key.ok and self.first.result != self.other_key.result
+
+    def replayed(self, probe: _Probe) -> bool:
+        """A 2xx, or the status the endpoint declares its replays come with (and a body
+        the outbox would read as a replay)."""
+        if probe.ok:
+            return True
+        if probe.status is None or probe.status != self.replay_status:
+            return False
+        return _reading(probe, self.replay_status) is Verdict.SUCCESS
+
+
+def _reading(probe: _Probe, replay_status: int | None = None) -> Verdict | None:
+    """How the dispatcher's default rules would read this answer."""
+    if probe.status is None:
+        return None
+    response = httpx.Response(probe.status, headers=probe.headers, content=probe.body)
+    return classify_response(
+        response, probe.body, int(time.time() * 1000), replay_status=replay_status
+    ).verdict
 
 
 def _lookup_evidence(result: LookupResult | None) -> dict[str, Any] | None:
@@ -381,13 +420,15 @@ def _same_key(o: _Observed) -> CheckVerdict:
     }
     if not o.first.ok:
         return CheckVerdict(name, None, _NOT_ACCEPTED.format(status=o.first.describe()), evidence)
-    if not o.again.ok:
+    if not o.replayed(o.again):
         if o.again.status == 409:
             return CheckVerdict(
                 name,
-                None,
-                "the second request with the key got 409 (still processing) after the first "
-                "had answered: could not compare results",
+                False,
+                "the same key and payload, after the first request had answered, got 409 "
+                "instead of the stored result: against a lost response the outbox can never "
+                "settle it (it reads 409 as 'still processing'). If this receiver replays "
+                "with 409 and the original body, declare Endpoint(replay_status=409)",
                 evidence,
             )
         return CheckVerdict(
@@ -472,23 +513,30 @@ def _changed(o: _Observed) -> CheckVerdict:
             )
         return CheckVerdict(name, False, summary, evidence)
     if 400 <= status < 500:
-        response = httpx.Response(status, headers=o.changed.headers, content=o.changed.body)
-        seen = classify_response(response, o.changed.body, int(time.time() * 1000)).verdict
+        seen = _reading(o.changed, o.replay_status)
+        assert seen is not None
         evidence["outbox_classifies_as"] = seen.value
         if seen is Verdict.KEY_CONFLICT:
-            how = "the outbox recognises it as a key conflict"
-        elif status == 409:
+            return CheckVerdict(
+                name,
+                True,
+                f"the same key with a changed payload ({o.changed_how}) was refused with "
+                f"{status}; the outbox recognises it as a key conflict",
+                evidence,
+            )
+        if seen is Verdict.IN_PROGRESS:
             how = (
-                "the outbox reads 409 as 'still processing' and retries it within the "
-                "window before reconciling"
+                "the outbox reads it as 'still processing' and would retry it until the "
+                "in-progress budget is spent (receiver_busy), never key_conflict"
             )
         else:
-            how = f"the outbox classifies it as {seen.value}, not as a key conflict"
+            how = f"the outbox would read it as {seen.value}, not as key_conflict"
         return CheckVerdict(
             name,
-            True,
+            False,
             f"the same key with a changed payload ({o.changed_how}) was refused with "
-            f"{status}; {how}",
+            f"{status}, but {how}: its body names no payload or key conflict the outbox "
+            "knows (see the README's classification table, or give the endpoint classify=)",
             evidence,
         )
     return CheckVerdict(
@@ -583,7 +631,7 @@ def _request_id(o: _Observed, same_key: CheckVerdict) -> CheckVerdict:
         "replay_echoed": echoed_again,
         "concurrent_echoing_another_request": cached_in_burst,
     }
-    if not o.first.ok or not o.again.ok or same_key.passed is False:
+    if not o.first.ok or not o.replayed(o.again) or same_key.passed is False:
         return CheckVerdict(
             name, None, "no replay to inspect (the second request was not replayed)", evidence
         )
@@ -605,9 +653,21 @@ def _request_id(o: _Observed, same_key: CheckVerdict) -> CheckVerdict:
         )
     if echoed_again == o.again.request_id:
         return CheckVerdict(name, True, f"the replay carried this attempt's {header}", evidence)
+    if echoed_again is None and echoed_first == o.first.request_id:
+        return CheckVerdict(
+            name,
+            False,
+            f"no {header} on the replay, although the first answer echoed the caller's: "
+            "a replay cannot be tied to the attempt that received it",
+            evidence,
+        )
     if echoed_again is None:
         return CheckVerdict(
-            name, None, f"the receiver sends no {header} back: could not tell", evidence
+            name,
+            None,
+            f"no {header} on the replay (nor on the first answer): the receiver does not "
+            "echo it, so could not tell",
+            evidence,
         )
     if echoed_first != o.first.request_id:
         return CheckVerdict(
@@ -715,7 +775,7 @@ def _retained(o: _Observed, endpoint: Endpoint) -> CheckVerdict:
     }
     if not first.ok:
         return CheckVerdict(name, None, _NOT_ACCEPTED.format(status=first.describe()), evidence)
-    if again.ok and again.result != first.result:
+    if o.replayed(again) and again.result != first.result:
         return CheckVerdict(
             name,
             False,
@@ -730,7 +790,15 @@ def _retained(o: _Observed, endpoint: Endpoint) -> CheckVerdict:
             f"after {o.delay:g}s the status lookup no longer knows the key ({hint})",
             evidence,
         )
-    if not again.ok:
+    if again.status == 409 and not o.replayed(again):
+        return CheckVerdict(
+            name,
+            False,
+            f"after {o.delay:g}s the same key and payload still got 409: the key is stuck "
+            f"'in progress' and the stored result is never given back ({hint})",
+            evidence,
+        )
+    if not o.replayed(again):
         return CheckVerdict(
             name,
             None,
@@ -751,6 +819,59 @@ def _retained(o: _Observed, endpoint: Endpoint) -> CheckVerdict:
     )
 
 
+def _tenants(o: _Observed, endpoint: Endpoint) -> CheckVerdict:
+    name = "tenants_kept_apart"
+    scope = endpoint.tenant_scope
+    if scope is None or o.tenant_probes is None:
+        return CheckVerdict(
+            name,
+            None,
+            "the endpoint declares no tenant scope (tenant_header, tenant_scope): operations "
+            "with a tenant are refused at enqueue, so there was nothing to check",
+        )
+    a, b = o.tenant_probes
+    evidence = {"scope": scope.value, "tenant_a": a.evidence(), "tenant_b": b.evidence()}
+    if not a.ok:
+        return CheckVerdict(
+            name, None, f"tenant A's probe got {a.describe()}: could not tell", evidence
+        )
+    if b.status is not None and 400 <= b.status < 500 and _reading(b) is not Verdict.FAILED:
+        return CheckVerdict(
+            name,
+            False,
+            f"tenant B, sending tenant A's key (scope: {scope.value}), got {b.status}: the "
+            "receiver saw the key as tenant A's, so two tenants share keys",
+            evidence,
+        )
+    if not b.ok:
+        return CheckVerdict(
+            name, None, f"tenant B's probe got {b.describe()}: could not tell", evidence
+        )
+    if a.result != b.result:
+        return CheckVerdict(
+            name,
+            True,
+            f"one key under two tenants (scope: {scope.value}) got two different results: "
+            "two operations",
+            evidence,
+        )
+    if o.discriminating:
+        return CheckVerdict(
+            name,
+            False,
+            f"tenant B, sending tenant A's key (scope: {scope.value}), got tenant A's result: "
+            "one effect for two intents (a false success)",
+            evidence,
+        )
+    return CheckVerdict(
+        name,
+        None,
+        "two tenants got equal results, but results do not identify effects (a new key got "
+        "an equal one): could not count effects",
+        evidence,
+    )
+
+
 async def check_receiver_async(
     outbox: Outbox,
     *,
@@ -762,6 +883,8 @@ async def check_receiver_async(
     retention_delay: float = 2.0,
     concurrency: int = 8,
     allow_unsafe: bool = False,
+    strict: bool = False,
+    probe_tenants: tuple[str, str] = PROBE_TENANTS,
 ) -> CheckReport:
     """:func:`check_receiver` for callers already inside an event loop."""
     ep = outbox.endpoints.get(endpoint)
@@ -784,6 +907,10 @@ async def check_receiver_async(
         raise ValidationError("the retention delay must be >= 0 seconds")
     if concurrency < 2:
         raise ValidationError("concurrency must be at least 2")
+    if len(probe_tenants) != 2 or probe_tenants[0] == probe_tenants[1]:
+        raise ValidationError("probe_tenants must be two different tenants")
+    for probe_tenant in probe_tenants:
+        check_tenant(probe_tenant)
     method = method.upper()
     body = _canonical_bytes(json_body)
     changed, changed_how = changed_payload(json_body)
@@ -794,6 +921,8 @@ async def check_receiver_async(
         "burst": _probe_key(),
         "retained": _probe_key(),
     }
+    if ep.tenant_scope is not None:
+        keys["tenants"] = _probe_key()
     factory = outbox.transport_factory
     async with build_client(ep, factory(ep) if factory else None) as client:
         p = _Prober(client, ep, method=method, path=path, tenant=tenant)
@@ -808,6 +937,15 @@ async def check_receiver_async(
             await asyncio.gather(*(p.send(keys["burst"], body) for _ in range(concurrency)))
         )
         burst_after = await p.send(keys["burst"], body)
+        tenant_probes: tuple[_Probe, _Probe] | None = None
+        if "tenants" in keys:
+            a, b = (
+                _Prober(client, ep, method=method, path=path, tenant=t) for t in probe_tenants
+            )
+            tenant_probes = (
+                await a.send(keys["tenants"], body),
+                await b.send(keys["tenants"], body),
+            )
         lookups: dict[str, LookupResult | None] = {}
         for name in ("same_key", "new_key", "burst"):
             lookups[name] = await p.lookup(keys[name])
@@ -828,6 +966,8 @@ async def check_receiver_async(
         retained_again=retained_again,
         delay=retention_delay,
         lookups=lookups,
+        tenant_probes=tenant_probes,
+        replay_status=ep.replay_status,
     )
     same_key = _same_key(observed)
     verdicts = (
@@ -837,6 +977,7 @@ async def check_receiver_async(
         _request_id(observed, same_key),
         _burst(observed),
         _retained(observed, ep),
+        _tenants(observed, ep),
     )
     return CheckReport(
         endpoint=ep.name,
@@ -847,6 +988,7 @@ async def check_receiver_async(
         verdicts=verdicts,
         probe_keys=tuple(keys.values()),
         retention_delay_seconds=retention_delay,
+        strict=strict,
     )
 
 
@@ -861,6 +1003,8 @@ def check_receiver(
     retention_delay: float = 2.0,
     concurrency: int = 8,
     allow_unsafe: bool = False,
+    strict: bool = False,
+    probe_tenants: tuple[str, str] = PROBE_TENANTS,
 ) -> CheckReport:
     """Probe ``endpoint``'s receiver and report one verdict per idempotency property.
 
@@ -882,5 +1026,7 @@ def check_receiver(
             retention_delay=retention_delay,
             concurrency=concurrency,
             allow_unsafe=allow_unsafe,
+            strict=strict,
+            probe_tenants=probe_tenants,
         )
     )

@@ -794,6 +794,15 @@ def console_command(
     is_flag=True,
     help="Probe an endpoint not marked probe_safe=True (the probes create real effects).",
 )
+@click.option(
+    "--strict", is_flag=True, help="Exit 1 also when a check could not tell (undecided)."
+)
+@click.option(
+    "--probe-tenants",
+    default=None,
+    metavar="A,B",
+    help="The two tenants of the tenant-scoping probe (default outbox-probe-tenant-a,-b).",
+)
 @json_option
 @click.pass_obj
 def check_receiver_command(
@@ -807,14 +816,24 @@ def check_receiver_command(
     retention_delay: float,
     concurrency: int,
     allow_unsafe: bool,
+    strict: bool,
+    probe_tenants: str | None,
     as_json: bool,
 ) -> None:
     """Probe a (staging) receiver's idempotency: one verdict line per property.
 
-    Exit 0 when no check failed, 1 when one did, 2 on a usage error or an endpoint not
-    marked probe_safe. Passing proves nothing about production.
+    Exit 0 when no check failed (with --strict: and none was undecided), 1 when one did,
+    2 on a usage error or an endpoint not marked probe_safe. Passing proves nothing
+    about production.
     """
-    from outbox.checker import check_receiver
+    from outbox.checker import PROBE_TENANTS, check_receiver
+
+    tenants = PROBE_TENANTS
+    if probe_tenants is not None:
+        parts = tuple(t.strip() for t in probe_tenants.split(","))
+        if len(parts) != 2:
+            raise click.UsageError("--probe-tenants takes two tenants: A,B")
+        tenants = (parts[0], parts[1])
 
     def go() -> None:
         try:
@@ -835,6 +854,8 @@ def check_receiver_command(
             retention_delay=retention_delay,
             concurrency=concurrency,
             allow_unsafe=allow_unsafe,
+            strict=strict,
+            probe_tenants=tenants,
         )
         if as_json:
             _emit_json(report.as_dict())

@@ -45,17 +45,20 @@ def _restore_structlog() -> Iterator[None]:
 
 def _outbox(tmp_path: Path, rx: Receiver, **endpoint: Any) -> Outbox:
     endpoint.setdefault("probe_safe", True)
+    if "tenant_scope" not in endpoint:
+        endpoint.setdefault("tenant_header", "X-Tenant")
     return Outbox(
         f"sqlite:///{tmp_path / f'outbox-{uuid.uuid4().hex[:8]}.sqlite3'}",
         endpoints=[Endpoint(name="rx", base_url=rx.url, timeout=5.0, **endpoint)],
     )
 
 
-def _check(tmp_path: Path, rx: Receiver, **endpoint: Any) -> CheckReport:
+def _check(tmp_path: Path, rx: Receiver, strict: bool = False, **endpoint: Any) -> CheckReport:
     with _outbox(tmp_path, rx, **endpoint) as ob:
         return check_receiver(
-            ob, endpoint="rx", path="/orders", json_body=BODY, retention_delay=DELAY
-        )
+            ob, endpoint="rx", path="/orders", json_body=BODY, retention_delay=DELAY,
+            strict=strict,
+        )  # fmt: skip
 
 
 def _failed(report: CheckReport) -> set[str]:
@@ -69,11 +72,15 @@ def test_a_correct_receiver_passes_every_check(tmp_path: Path, lookup: bool) -> 
         assert [v.name for v in report.verdicts] == list(CHECKS)
         assert all(v.passed is True for v in report.verdicts), report.lines()
         assert report.ok and report.exit_code == 0
-        # One effect per probe key, however often it was sent: the receiver's own count.
-        assert len(report.probe_keys) == 4
+        # One effect per probe key (and tenant), however often it was sent: the
+        # receiver's own count.
+        assert len(report.probe_keys) == 5
         assert all(k.startswith(PROBE_PREFIX) for k in report.probe_keys)
-        for key in report.probe_keys:
+        for key in report.probe_keys[:-1]:
             assert rx.effect_count(key=key) == 1
+        tenants_key = report.probe_keys[-1]
+        assert sorted(e.tenant for e in rx.effects(key=tenants_key)) == [
+            "outbox-probe-tenant-a", "outbox-probe-tenant-b"]  # fmt: skip
         same_key = report.verdict("same_key_same_result")
         if lookup:
             assert "status lookup holds one applied operation" in same_key.summary
@@ -172,9 +179,11 @@ def test_results_that_do_not_identify_effects_are_reported_as_undecided(
         assert "could not count effects" in report.verdict("same_key_same_result").summary
         assert report.failed == []
         assert report.exit_code == 0  # nothing failed; the lines say what is unknown
-        # With a status lookup the same receiver can be judged.
+        # With a status lookup the same receiver can be judged, but for its tenants: the
+        # lookup cannot tell one tenant's record from the other's.
         report = _check(tmp_path, rx, status_lookup=StatusLookup())
-        assert all(v.passed is True for v in report.verdicts), report.lines()
+        assert report.undecided == ["tenants_kept_apart"], report.lines()
+        assert report.failed == []
 
 
 def test_an_ignoring_receiver_with_equal_results_is_caught_by_the_lookup(
@@ -252,7 +261,8 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rx: Receiver, *, safe:
         "from outbox.lookup import StatusLookup\n\n\n"
         "def build() -> Outbox:\n"
         f"    return Outbox({db!r}, endpoints=[Endpoint(name='rx', base_url={rx.url!r},\n"
-        f"        timeout=5.0, probe_safe={safe!r}, status_lookup=StatusLookup())])\n"
+        f"        timeout=5.0, probe_safe={safe!r}, status_lookup=StatusLookup(),\n"
+        f"        tenant_header='X-Tenant')])\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     return f"{name}:build"
@@ -334,3 +344,94 @@ def test_cli_check_receiver_usage_errors_exit_2(
         no_app = ["check-receiver", "--endpoint", "rx", "--path", "/x", "--json-body", "{}"]
         assert _cli(*no_app).exit_code == 2
         assert rx.requests() == []
+
+
+# -- receivers as they really answer ---------------------------------------------------------
+
+
+def test_tenant_scoping_is_probed_as_declared(tmp_path: Path) -> None:
+    with Receiver(tmp_path / "rx.sqlite3") as rx:
+        # The receiver scopes by X-Tenant; the endpoint declares another header, which
+        # the receiver ignores: both tenants land in one namespace.
+        wrong = _check(tmp_path, rx, tenant_header="X-Customer")
+        verdict = wrong.verdict("tenants_kept_apart")
+        assert verdict.passed is False, wrong.lines()
+        assert "one effect for two intents" in verdict.summary
+        assert wrong.failed == ["tenants_kept_apart"]
+        # The tenant in the key: two keys on the wire, two effects.
+        prefixed = _check(tmp_path, rx, tenant_scope="key_prefix")
+        assert prefixed.verdict("tenants_kept_apart").passed is True, prefixed.lines()
+        key = prefixed.probe_keys[-1]
+        assert rx.effect_count(key=f"outbox-probe-tenant-a/{key}") == 1
+        assert rx.effect_count(key=f"outbox-probe-tenant-b/{key}") == 1
+        # No scope declared: said plainly, and --strict turns it into a failure.
+        unscoped = _check(tmp_path, rx, tenant_scope=None, tenant_header=None)
+        verdict = unscoped.verdict("tenants_kept_apart")
+        assert verdict.passed is None and "declares no tenant scope" in verdict.summary
+        assert len(unscoped.probe_keys) == 4  # no tenant probe was sent
+        assert unscoped.exit_code == 0
+        strict = _check(tmp_path, rx, strict=True, tenant_scope=None, tenant_header=None)
+        assert strict.exit_code == 1 and strict.undecided == ["tenants_kept_apart"]
+
+
+def test_a_replay_answered_409_fails_same_key_same_result(tmp_path: Path) -> None:
+    with Receiver(tmp_path / "rx.sqlite3", dialect="replay-409") as rx:
+        report = _check(tmp_path, rx)
+        verdict = report.verdict("same_key_same_result")
+        assert verdict.passed is False, report.lines()
+        assert "can never settle" in verdict.summary and "replay_status=409" in verdict.summary
+        # Declared, the 409 carrying the stored result is a replay.
+        declared = _check(tmp_path, rx, replay_status=409)
+        assert all(v.passed is True for v in declared.verdicts), declared.lines()
+
+
+@pytest.mark.parametrize("dialect", ["ietf", "article", "stripe-like", "detail"])
+def test_each_dialects_changed_payload_answer_is_a_recognised_conflict(
+    tmp_path: Path, dialect: str
+) -> None:
+    with Receiver(tmp_path / "rx.sqlite3", dialect=dialect) as rx:
+        report = _check(tmp_path, rx)
+    verdict = report.verdict("changed_payload_refused")
+    assert verdict.passed is True, report.lines()
+    assert verdict.evidence["outbox_classifies_as"] == "key_conflict"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "reading"),
+    [(400, {"error": "bad_request"}, "failed"), (409, {"error": "nope"}, "in_progress")],
+)
+def test_a_refusal_the_outbox_would_not_read_as_key_conflict_is_not_a_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int, body: Any, reading: str
+) -> None:
+    from outbox.testing import dialects
+
+    odd = dialects.Dialect("odd", 409, {"error": "busy"}, status, body)
+    monkeypatch.setitem(dialects.DIALECTS, "odd", odd)
+    with Receiver(tmp_path / "rx.sqlite3", dialect="odd") as rx:
+        report = _check(tmp_path, rx)
+    verdict = report.verdict("changed_payload_refused")
+    assert verdict.passed is False, report.lines()
+    assert verdict.evidence["outbox_classifies_as"] == reading
+    assert "not as key_conflict" in verdict.summary or "never key_conflict" in verdict.summary
+
+
+def test_cli_strict_exits_1_on_an_undecided_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def handler(conn: Any, tenant: str, method: str, path: str, body: Any) -> tuple[int, Any]:
+        return 200, {"ok": True}  # results do not identify effects: undecided verdicts
+
+    with Receiver(tmp_path / "rx.sqlite3", handler=handler) as rx:
+        name = f"checker_app_{uuid.uuid4().hex[:10]}"
+        (tmp_path / f"{name}.py").write_text(
+            "from outbox import Endpoint, Outbox\n\n\n"
+            "def build() -> Outbox:\n"
+            f"    return Outbox('sqlite:///{tmp_path / name}.sqlite3', endpoints=[Endpoint(\n"
+            f"        name='rx', base_url={rx.url!r}, timeout=5.0, probe_safe=True)])\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        lenient = _cli(*_probe_args(f"{name}:build"))
+        assert lenient.exit_code == 0, lenient.stdout
+        assert "could not tell" in lenient.stdout
+        strict = _cli(*_probe_args(f"{name}:build", "--strict"))
+        assert strict.exit_code == 1, strict.stdout

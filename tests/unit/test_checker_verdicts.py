@@ -1,0 +1,74 @@
+"""check-receiver verdicts where the truth is knowable from the answers alone.
+
+Pure functions over recorded answers: no HTTP here (the checker's integration tests
+probe real receivers); these pin the wording and the verdict of shapes the test
+receiver cannot produce on demand.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import httpx
+
+from outbox import Endpoint
+from outbox.checker import _Observed, _Probe, _request_id, _retained, _same_key
+
+EP = Endpoint(name="rx", base_url="http://127.0.0.1:1", key_retention=timedelta(hours=2))
+
+
+def probe(key: str, status: int | None, body: object, *, echo: str | None = "self",
+          request_id: str | None = None) -> _Probe:  # fmt: skip
+    rid = request_id or f"rid-{key}-{status}-{json.dumps(body)}"
+    headers = httpx.Headers({"X-Request-ID": rid if echo == "self" else echo} if echo else {})
+    return _Probe(key, rid, status, json.dumps(body).encode(), headers, None, "X-Request-ID")
+
+
+def observed(**changes: object) -> _Observed:
+    first = probe("k1", 201, {"effect_id": 1})
+    base = {
+        "first": first,
+        "again": probe("k1", 201, {"effect_id": 1}, request_id="rid-again"),
+        "changed": probe("k1", 422, {"error": "idempotency_key_reused"}),
+        "changed_how": "quantity: 2 -> 3",
+        "other_key": probe("k2", 201, {"effect_id": 2}),
+        "burst": [probe("k3", 201, {"effect_id": 3}, request_id=f"b{i}") for i in range(3)],
+        "burst_after": probe("k3", 201, {"effect_id": 3}, request_id="after"),
+        "retained_first": probe("k4", 201, {"effect_id": 4}),
+        "retained_again": probe("k4", 201, {"effect_id": 4}, request_id="later"),
+        "delay": 2.0,
+        "lookups": {},
+    }
+    base.update(changes)
+    return _Observed(**base)  # type: ignore[arg-type]
+
+
+def test_a_key_stuck_409_after_the_delay_fails_key_retained() -> None:
+    o = observed(retained_again=probe("k4", 409, {"error": "idempotency_key_in_use"}))
+    verdict = _retained(o, EP)
+    assert verdict.passed is False
+    assert "still got 409" in verdict.summary and "stuck" in verdict.summary
+
+
+def test_a_409_replay_fails_same_key_unless_declared() -> None:
+    replay = probe("k1", 409, {"effect_id": 1}, request_id="rid-again")
+    verdict = _same_key(observed(again=replay))
+    assert verdict.passed is False and "replay_status=409" in verdict.summary
+    declared = observed(again=replay, replay_status=409)
+    assert _same_key(declared).passed is True
+    assert _request_id(declared, _same_key(declared)).passed is True
+
+
+def test_a_replay_without_the_request_id_header_is_named_as_such() -> None:
+    silent = probe("k1", 201, {"effect_id": 1}, echo=None, request_id="rid-again")
+    o = observed(again=silent)
+    verdict = _request_id(o, _same_key(o))
+    assert verdict.passed is False
+    assert "no X-Request-ID on the replay" in verdict.summary
+    # A receiver that never echoes it: undecided, said so.
+    first = probe("k1", 201, {"effect_id": 1}, echo=None)
+    o = observed(first=first, again=silent)
+    verdict = _request_id(o, _same_key(o))
+    assert verdict.passed is None
+    assert "no X-Request-ID on the replay (nor on the first answer)" in verdict.summary
