@@ -406,8 +406,21 @@ class Dispatcher:
         if now <= self._unsendable_window_end(c, now):
             return None
         reason = reason_from_history(maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal)
+        error_class = ErrorClass.OPERATION_UNSENDABLE
+        if not registered:
+            error_class = ErrorClass.ENDPOINT_NOT_REGISTERED
         return Settlement(
-            c.pk, token, State.UNRESOLVED, reason, last_error=f"{problem}; its window closed"
+            c.pk,
+            token,
+            State.UNRESOLVED,
+            reason,
+            last_error=f"{problem}; its window closed",
+            not_sent=(
+                error_class.value,
+                f"not sent: {problem}",
+                str(uuid.uuid4()),
+                self.dispatcher_id,
+            ),
         )
 
     async def _attempt(self, work: _Work) -> None:

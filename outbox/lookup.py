@@ -182,7 +182,8 @@ class StatusLookup:
 
     ``path`` is relative to the endpoint's ``base_url`` and names the operation with
     ``{operation_id}`` (and optionally the tenant with ``{tenant}``); both are
-    percent-encoded. The endpoint's auth, static headers, request ID header and tenant
+    percent-encoded. ``{operation_id}`` is the key as sent: with
+    ``tenant_scope="key_prefix"``, ``<tenant>/<operation ID>``. The endpoint's auth, static headers, request ID header and tenant
     header are sent; the idempotency header is not (a lookup is not an operation).
     """
 
@@ -241,7 +242,9 @@ async def lookup_status(
     lookup = endpoint.status_lookup
     if lookup is None:
         return LookupResult.unknown(f"endpoint {endpoint.name!r} has no status_lookup")
-    path = lookup.target(operation_id, tenant)
+    # The receiver knows the operation by the key it was sent (with key-prefix tenant
+    # scoping, "<tenant>/<operation ID>").
+    path = lookup.target(endpoint.wire_key(tenant, operation_id), tenant)
     request_id = str(uuid.uuid4())
     headers = request_headers(
         endpoint,

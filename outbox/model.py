@@ -104,6 +104,9 @@ class ErrorClass(enum.StrEnum):
     UNSAFE_PATH = "UnsafePath"
     #: Not sent: no endpoint of that name is registered in the dispatcher.
     ENDPOINT_NOT_REGISTERED = "EndpointNotRegistered"
+    #: Not sent: the endpoint refuses the stored operation's tenant (it declares no
+    #: tenant scope) or its key (``key_pattern``).
+    OPERATION_UNSENDABLE = "OperationUnsendable"
     #: The endpoint's own classifier raised; the attempt's outcome is unknown.
     CLASSIFIER_FAILED = "ClassifierFailed"
 

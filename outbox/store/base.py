@@ -513,29 +513,57 @@ class Store:
         return {out.pk for out in mine}
 
     def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
-        """Move claimed operations to a state without sending (e.g. window closed)."""
+        """Move claimed operations to a state without sending (e.g. window closed).
+
+        A settlement with ``not_sent`` also records one closed, not-sent attempt with
+        that error class and message: the evidence of why it never left.
+        """
         written: set[int] = set()
         if not settlements:
             return written
         with self.write() as conn:
             for s in settlements:
-                changed = conn.execute(
+                values: dict[str, Any] = {
+                    "state": s.state.value,
+                    "reason": s.reason.value if s.reason else None,
+                    "last_error": s.last_error,
+                    "next_attempt_at": None,
+                    "lease_token": None,
+                    "lease_owner": None,
+                    "lease_until": None,
+                    "updated_at": now_ms,
+                    "finished_at": now_ms,
+                }
+                if s.not_sent is not None:
+                    values["attempts_total"] = o.c.attempts_total + 1
+                row = conn.execute(
                     update(o)
                     .where(o.c.id == s.pk, o.c.lease_token == s.lease_token)
-                    .values(
-                        state=s.state.value,
-                        reason=s.reason.value if s.reason else None,
-                        last_error=s.last_error,
-                        next_attempt_at=None,
-                        lease_token=None,
-                        lease_owner=None,
-                        lease_until=None,
-                        updated_at=now_ms,
-                        finished_at=now_ms,
+                    .values(values)
+                    .returning(o.c.attempts_total)
+                ).first()
+                if row is None:
+                    continue
+                written.add(s.pk)
+                if s.not_sent is not None:
+                    error_class, message, request_id, owner = s.not_sent
+                    conn.execute(
+                        insert(a).values(
+                            operation_pk=s.pk,
+                            number=row.attempts_total,
+                            request_id=request_id,
+                            dispatcher_id=owner,
+                            lease_token=s.lease_token,
+                            started_at=now_ms,
+                            lease_until=now_ms,
+                            finished_at=now_ms,
+                            delivery=Delivery.NOT_SENT.value,
+                            counted=False,
+                            error_class=error_class,
+                            error_message=message,
+                            duration_ms=0,
+                        )
                     )
-                ).rowcount
-                if changed == 1:
-                    written.add(s.pk)
         return written
 
     def release(

@@ -100,3 +100,6 @@ class Settlement:
     reason: Reason | None
     #: Why it could not be sent (kept on the operation as ``last_error``), if so.
     last_error: str | None = None
+    #: (error class, message, request ID, dispatcher ID) of a not-sent attempt to record
+    #: as the evidence of why it never left, if any.
+    not_sent: tuple[str, str, str, str] | None = None

@@ -333,6 +333,7 @@ def test_tenants_scope_operation_ids(
     a, b = scenario(outboxes(rx))
     assert a.state is b.state is State.SUCCEEDED
     assert sorted(e.tenant for e in rx.effects(key="op-1")) == ["test-A", "test-B"]
+    assert len(rx.requests()) == 2  # one request per tenant, two effects
     first, second = effect_ids(a, b)
     assert first != second
 
@@ -348,6 +349,7 @@ def test_tenants_scope_operation_ids(
     assert a.state is b.state is State.SUCCEEDED
     assert sorted(e.key for e in rx.effects()) == ["test-A/op-1", "test-B/op-1"]
     assert {e.tenant for e in rx.effects()} == {""}
+    assert len(rx.requests()) == 2
 
     # No scope declared: refused at enqueue, nothing written, nothing sent.
     rx = receivers("no-tenant")

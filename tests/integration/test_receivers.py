@@ -288,6 +288,10 @@ def test_an_operation_naming_an_unregistered_endpoint_says_so_and_ends(
         dispatcher.dispatch_once()
         op = app.get("op-1")
         assert (op.state, op.reason) == (State.UNRESOLVED, Reason.NEVER_DELIVERED)
+        [evidence] = op.attempts  # unresolved always carries an attempt as evidence
+        assert evidence.delivery is Delivery.NOT_SENT
+        assert evidence.error_class == ErrorClass.ENDPOINT_NOT_REGISTERED
+        assert "'ghost'" in (evidence.error_message or "")
         explanation = dispatcher.reconcile.show("op-1").explanation
         assert "never sent" in explanation and "'ghost'" in explanation
         assert dispatcher.reconcile.status().as_dict()["unsendable"] == 0
@@ -395,3 +399,24 @@ def test_receiver_request_id_only_when_the_receiver_sent_its_own(db_url: str, rx
     assert [a.receiver_request_id for a in naming.attempts] == ["request-id: req_7Hq2"]
     assert naming.result is not None
     assert naming.result.headers["idempotency-replayed"] == "true"
+
+
+def test_a_key_prefix_scoped_operation_is_looked_up_by_the_key_it_was_sent(
+    db_url: str, rx: Receiver
+) -> None:
+    from outbox import StatusLookup
+
+    rx.faults.drop_after_commit(times=1)  # applied, the answer lost: unresolved at once
+    ep = endpoint(
+        rx.url,
+        tenant_scope="key_prefix",
+        status_lookup=StatusLookup(),
+        retry=RetryPolicy(max_attempts=1),
+    )
+    with Outbox(db_url, endpoints=[ep], clock=FakeClock()) as ob:
+        reserve(ob, tenant="acme")
+        op = drive(ob, tenant="acme")
+        assert op.state is State.SUCCEEDED  # settled by the receiver's answer to the lookup
+    lookups = [r for r in rx.requests() if r.outcome == "lookup"]
+    assert [r.path for r in lookups] == ["/operations/acme%2Fop-1"]
+    assert rx.effect_count() == 1
