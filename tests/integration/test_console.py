@@ -815,7 +815,11 @@ def test_every_stored_string_renders_as_text_and_secret_headers_are_masked(
     assert "(masked)" in hostile  # set-cookie evidence
     # The receiver's own words (its error text, its request ID), escaped where they show.
     planted = "&#34;&gt;&lt;img src=x onerror=alert(1)&gt;"
-    assert f'<dt>receiver\'s request ID</dt><dd class="mono">{planted}</dd>' in hostile
+    # (kept as "header: value", the header the receiver named it in)
+    assert (
+        f'<dt>receiver\'s request ID</dt><dd class="mono">x-request-id: {planted}</dd>'
+        in hostile
+    )
     assert (
         '<dd class="mono error">&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; ' + planted
     ) in hostile
