@@ -183,8 +183,9 @@ class StatusLookup:
     ``path`` is relative to the endpoint's ``base_url`` and names the operation with
     ``{operation_id}`` (and optionally the tenant with ``{tenant}``); both are
     percent-encoded. ``{operation_id}`` is the key as sent: with
-    ``tenant_scope="key_prefix"``, ``<tenant>/<operation ID>``. The endpoint's auth, static headers, request ID header and tenant
-    header are sent; the idempotency header is not (a lookup is not an operation).
+    ``tenant_scope="key_prefix"``, ``<tenant>/<operation ID>``. The endpoint's auth,
+    static headers, request ID header and tenant header are sent; the idempotency
+    header is not (a lookup is not an operation).
     """
 
     path: str = "/operations/{operation_id}"
