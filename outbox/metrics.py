@@ -267,7 +267,8 @@ class OutboxMetrics:
         return endpoint.name
 
     def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
-        self.duration.labels(attempt).observe(result.duration_ms / 1000)
+        if attempt is not None:
+            self.duration.labels(attempt).observe(result.duration_ms / 1000)
 
     def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
         endpoint = self._held.get(out.pk, ("", None))[0]

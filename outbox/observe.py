@@ -127,8 +127,11 @@ class Combined:
         for p in self.parts:
             p.settled(pk, state, reason, now_ms)
 
+    def _each(self, handles: Any) -> Sequence[Any]:
+        return handles if handles is not None else [None] * len(self.parts)
+
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
-        for p, b in zip(self.parts, batch, strict=True):
+        for p, b in zip(self.parts, self._each(batch), strict=True):
             p.attempts_begun(b, started, now_ms)
 
     def attempt_started(
@@ -141,11 +144,11 @@ class Combined:
     ) -> Any:
         return [
             p.attempt_started(b, claimed, endpoint, started, headers)
-            for p, b in zip(self.parts, batch, strict=True)
+            for p, b in zip(self.parts, self._each(batch), strict=True)
         ]
 
     def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
-        for p, a in zip(self.parts, attempt, strict=True):
+        for p, a in zip(self.parts, self._each(attempt), strict=True):
             p.attempt_sent(a, result)
 
     def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:

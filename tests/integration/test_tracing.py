@@ -179,3 +179,27 @@ with ob.engine.connect() as conn:
     [request] = receiver.requests(key="no-sdk")
     assert request.outcome == "applied"
     assert request.traceparent is None
+
+
+def test_metrics_and_tracing_together(
+    db_url: str, receiver: Receiver, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    ob = _outbox(db_url, receiver, tracer_provider=provider)
+    try:
+        ob.metrics(registry=registry)
+        with provider.get_tracer("shop").start_as_current_span("checkout"):
+            ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="both")
+        ob.dispatch_once()
+    finally:
+        ob.close()
+    [attempt] = [s for s in exporter.get_finished_spans() if s.name == "outbox.attempt"]
+    assert len(attempt.links) == 1
+    assert receiver.requests(key="both")[0].traceparent == _traceparent(attempt)
+    labels = {"endpoint": "rx", "delivery": "sent", "verdict": "success"}
+    assert registry.get_sample_value("outbox_attempts_total", labels) == 1
+    assert registry.get_sample_value(
+        "outbox_attempt_duration_seconds_count", {"endpoint": "rx"}
+    ) == 1
