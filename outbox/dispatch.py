@@ -353,7 +353,9 @@ class Dispatcher:
             written = await self._run_db(self.store.settle, now_ms=now, settlements=settlements)
             for s in settlements:
                 if s.pk in written:
-                    self._observe.settled(s.pk, s.state, s.reason, now)
+                    self._observe.settled(
+                        s.pk, s.state, s.reason, now, not_sent=s.not_sent is not None
+                    )
                     self._count_unresolved(s.reason)
                     self._log.warning(
                         "operation_unresolved",

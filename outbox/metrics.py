@@ -10,7 +10,8 @@ rate. Get it with ``Outbox.metrics()``; serve it with :func:`serve` (the
 Metric names (labels in braces):
 
 * ``outbox_attempts_total{endpoint,delivery,verdict}``: attempt outcomes recorded
-  (verdict ``none``: not sent by the lease check, or closed after a lease expiry)
+  (verdict ``none``: not sent by the lease check, closed after a lease expiry, or the
+  not-sent evidence of an operation no dispatcher could send)
 * ``outbox_operations_finished_total{endpoint,state,reason}``: operations a dispatcher
   settled (succeeded, failed, unresolved; reason empty unless unresolved)
 * ``outbox_lease_expirations_total{endpoint}``: attempts found open after their
@@ -246,7 +247,11 @@ class OutboxMetrics:
             self.attempts.labels(endpoint, "unknown", "none").inc()
         return None
 
-    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+    def settled(
+        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
+    ) -> None:
+        if not_sent:
+            self.attempts.labels(self._held.get(pk, ("", None))[0], "not_sent", "none").inc()
         self._finish(pk, state, reason, now_ms)
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:

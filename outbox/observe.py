@@ -35,8 +35,11 @@ class Instrumentation(Protocol):
         ``started_ns`` is when the claim began (``time.time_ns()``). Returns a batch
         handle passed back to :meth:`attempts_begun` and :meth:`attempt_started`."""
 
-    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
-        """A claimed operation was settled without an attempt (window closed)."""
+    def settled(
+        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
+    ) -> None:
+        """A claimed operation was settled without sending (window closed); ``not_sent``:
+        a not-sent attempt was recorded with it as evidence (an unsendable operation)."""
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
         """The batch's attempt rows committed; the batch's own work is done."""
@@ -75,7 +78,9 @@ class NoInstrumentation:
     ) -> Any:
         return None
 
-    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+    def settled(
+        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
+    ) -> None:
         pass
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
@@ -123,9 +128,11 @@ class Combined:
     ) -> Any:
         return [p.claimed(claimed, recovered, started_ns) for p in self.parts]
 
-    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+    def settled(
+        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
+    ) -> None:
         for p in self.parts:
-            p.settled(pk, state, reason, now_ms)
+            p.settled(pk, state, reason, now_ms, not_sent=not_sent)
 
     def _each(self, handles: Any) -> Sequence[Any]:
         return handles if handles is not None else [None] * len(self.parts)

@@ -90,7 +90,9 @@ class Tracing:
             },
         )
 
-    def settled(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
+    def settled(
+        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
+    ) -> None:
         pass
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:

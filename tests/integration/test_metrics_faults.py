@@ -110,3 +110,34 @@ def test_an_outcome_fenced_off_by_a_takeover_is_counted_apart(
             assert _value(registry, "outbox_attempts_total", endpoint="rx",
                           delivery=delivery, verdict=verdict) == 0  # fmt: skip
     assert ob.get("fenced").state is State.IN_FLIGHT  # the other dispatcher holds it
+
+
+def test_an_unsendable_operation_ends_with_its_not_sent_evidence_counted(
+    db_url: str, receiver: Receiver
+) -> None:
+    """An operation naming an endpoint no dispatcher registered: when its window closes,
+    it is settled with a not-sent attempt as evidence; the counters say the same."""
+    clock = FakeClock()
+    ghost = Endpoint(name="ghost", base_url=receiver.url, key_retention=timedelta(hours=24))
+    app = Outbox(db_url, endpoints=[ghost], clock=clock, auto_migrate=True)
+    dispatcher = Outbox(
+        db_url, endpoints=[Endpoint(name="rx", base_url=receiver.url)], clock=clock
+    )
+    registry = CollectorRegistry()
+    dispatcher.metrics(registry=registry)
+    try:
+        app.enqueue(endpoint="ghost", method="POST", path="/o", json={}, operation_id="g-1")
+        dispatcher.dispatch_once()
+        clock.advance(3601)
+        dispatcher.dispatch_once()
+        op = app.get("g-1")
+        assert (op.state, op.reason) == (State.UNRESOLVED, "never_delivered")
+        assert [a.delivery for a in op.attempts] == ["not_sent"]
+    finally:
+        app.close()
+        dispatcher.close()
+    assert _value(registry, "outbox_attempts_total", endpoint="ghost", delivery="not_sent",
+                  verdict="none") == 1  # fmt: skip
+    assert _value(registry, "outbox_operations_finished_total", endpoint="ghost",
+                  state="unresolved", reason="never_delivered") == 1  # fmt: skip
+    assert receiver.requests() == []
