@@ -59,7 +59,9 @@ def _endpoint(url: str, **overrides: Any) -> Endpoint:
     options: dict[str, Any] = {
         "name": "rx",
         "base_url": url,
-        "timeout": 0.3,
+        # Generous: a busy machine must not turn a prompt answer into a timeout; the
+        # hanging cases cost 2 x timeout each.
+        "timeout": 2.0,
         "retry": RetryPolicy(max_attempts=2, window=timedelta(seconds=5), wait=wait_fixed(0.5)),
         "key_retention": RETENTION,
         # These tests drive the explicit probe; the dispatcher's own lookup is tested below.
@@ -370,7 +372,7 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db_url: str, url: str)
         "from outbox import Endpoint, FakeClock, Outbox, RetryPolicy\n"
         "from outbox.lookup import StatusLookup\n\n\n"
         "def build() -> Outbox:\n"
-        f"    endpoint = Endpoint(name='rx', base_url={url!r}, timeout=0.3,\n"
+        f"    endpoint = Endpoint(name='rx', base_url={url!r}, timeout=2.0,\n"
         "        retry=RetryPolicy(max_attempts=2, window=timedelta(seconds=5)),\n"
         f"        key_retention=timedelta(seconds={RETENTION.total_seconds()}),\n"
         "        status_lookup=StatusLookup())\n"
