@@ -196,6 +196,7 @@ class OutboxMetrics:
             "From enqueue to succeeded, failed or unresolved.",
             ["endpoint", "state"], buckets=_SETTLE_BUCKETS, registry=r,
         )  # fmt: skip
+        self._children: dict[tuple[Any, ...], Any] = {}
         # pk -> (endpoint, created_at) of the operations this process holds.
         self._held: dict[int, tuple[str, int | None]] = {}
         self._dispatchers: list[Dispatcher] = []
@@ -204,6 +205,15 @@ class OutboxMetrics:
         self._ticker: asyncio.TimerHandle | None = None
         self.backlog = _Backlog(outbox, cache_seconds, self)
         r.register(self.backlog)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: prometheus_client validates and locks
+        on every ``labels`` call, a dictionary lookup does not."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # -- health --------------------------------------------------------------------
 
@@ -243,15 +253,16 @@ class OutboxMetrics:
             self._held[c.pk] = (c.endpoint, c.created_at)
         for rec in recovered:
             endpoint = self._held.get(rec.pk, ("", None))[0]
-            self.lease_expirations.labels(endpoint).inc()
-            self.attempts.labels(endpoint, "unknown", "none").inc()
+            self._child(self.lease_expirations, endpoint).inc()
+            self._child(self.attempts, endpoint, "unknown", "none").inc()
         return None
 
     def settled(
         self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
     ) -> None:
         if not_sent:
-            self.attempts.labels(self._held.get(pk, ("", None))[0], "not_sent", "none").inc()
+            endpoint = self._held.get(pk, ("", None))[0]
+            self._child(self.attempts, endpoint, "not_sent", "none").inc()
         self._finish(pk, state, reason, now_ms)
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
@@ -259,7 +270,8 @@ class OutboxMetrics:
             if s.number == 1:
                 endpoint, created = self._held.get(s.pk, ("", None))
                 if created is not None:
-                    self.first_delay.labels(endpoint).observe(max(0, now_ms - created) / 1000)
+                    seconds = max(0, now_ms - created) / 1000
+                    self._child(self.first_delay, endpoint).observe(seconds)
 
     def attempt_started(
         self,
@@ -273,16 +285,16 @@ class OutboxMetrics:
 
     def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
         if attempt is not None:
-            self.duration.labels(attempt).observe(result.duration_ms / 1000)
+            self._child(self.duration, attempt).observe(result.duration_ms / 1000)
 
     def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
         endpoint = self._held.get(out.pk, ("", None))[0]
         if not applied:
-            self.fenced.labels(endpoint).inc()
+            self._child(self.fenced, endpoint).inc()
             self._held.pop(out.pk, None)
             return
         verdict = out.verdict.value if out.verdict is not None else "none"
-        self.attempts.labels(endpoint, out.delivery.value, verdict).inc()
+        self._child(self.attempts, endpoint, out.delivery.value, verdict).inc()
         if out.state.is_settled:
             self._finish(out.pk, out.state, out.reason, now_ms)
         else:
@@ -290,12 +302,13 @@ class OutboxMetrics:
 
     def _finish(self, pk: int, state: State, reason: Reason | None, now_ms: int) -> None:
         endpoint, created = self._held.pop(pk, ("", None))
-        self.finished.labels(endpoint, state.value, reason.value if reason else "").inc()
+        self._child(self.finished, endpoint, state.value, reason.value if reason else "").inc()
         if created is not None:
-            self.settle_time.labels(endpoint, state.value).observe(max(0, now_ms - created) / 1000)
+            seconds = max(0, now_ms - created) / 1000
+            self._child(self.settle_time, endpoint, state.value).observe(seconds)
 
     def status_lookup(self, endpoint: str, answer: str) -> None:
-        self.lookups.labels(endpoint, answer).inc()
+        self._child(self.lookups, endpoint, answer).inc()
 
 
 # -- serving -----------------------------------------------------------------------------
