@@ -172,8 +172,12 @@ class SqliteWatch:
         with _local_lock:
             _local.setdefault(key, set()).add(entry)
         # timeout=0: the check must never sleep in SQLite's busy handler on the loop.
-        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None,
-                               check_same_thread=False)
+        # mode=rw: never create the file (the dispatcher's preflight checked it exists
+        # and is private).
+        conn = sqlite3.connect(
+            f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=0,
+            isolation_level=None, check_same_thread=False,
+        )
         try:
             last = _data_version(conn)
             report("listening")
