@@ -320,7 +320,9 @@ class Store:
             "updated_at": now_ms,
         }
         with self.write() as conn:
-            rows = conn.execute(self._claim_statement(now_ms=now_ms, limit=limit, values=values))
+            rows = conn.execute(
+                self._claim_statement(now_ms=now_ms, limit=limit, values=values)
+            ).all()
             claimed = [
                 Claimed(
                     pk=r.id,
@@ -347,7 +349,15 @@ class Store:
             ]
             if not claimed:
                 return [], []
-            recovered = self._close_open_attempts(conn, [c.pk for c in claimed], now_ms)
+            # Only a row taken over from an expired lease can have an open attempt. A
+            # dialect whose claim cannot say what the row was (no "was" column) checks all.
+            taken_over = [
+                r.id for r in rows
+                if r._mapping.get("was", State.IN_FLIGHT.value) == State.IN_FLIGHT.value
+            ]
+            recovered = (
+                self._close_open_attempts(conn, taken_over, now_ms) if taken_over else []
+            )
         if recovered:
             flagged = {r.pk for r in recovered}
             claimed = [replace(c, maybe_delivered=True) if c.pk in flagged else c for c in claimed]
