@@ -15,7 +15,7 @@ answer                    reading
 409 + in-progress marker  still processing (own budget, growing backoff)
 409 + stale marker        failed (a stale-version refusal, like 412)
 409 + conflict marker     key_conflict
-409 + ``replay_status``   success: a replay whose body is the result
+409 + ``replay_status``   success: a replay whose (non-empty) body is the result
 409, anything else        still processing (the draft's reading; also a bodiless 409)
 400 / 422 + stale marker  failed
 400 / 422 + conflict      key_conflict (unless the body says "in progress")
@@ -160,9 +160,9 @@ def classify_response(
             return Classification(Verdict.FAILED, Delivery.SENT)
         if reading == "conflict":
             return Classification(Verdict.KEY_CONFLICT, Delivery.SENT)
-        if reading != "in_progress" and status == replay_status:
+        if reading != "in_progress" and status == replay_status and body.strip():
             # The endpoint declared that its receiver replays with this status: the body
-            # is the stored result of the first request.
+            # is the stored result of the first request. (A bodiless one proves nothing.)
             return Classification(Verdict.SUCCESS, Delivery.SENT, maybe_applied=True)
         if status == IN_PROGRESS_STATUS:
             # The receiver holds the key: an earlier attempt reached it.

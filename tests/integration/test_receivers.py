@@ -254,11 +254,11 @@ def test_a_window_closing_between_claim_and_send_is_named_as_such(
 
 
 def test_an_operation_naming_an_unregistered_endpoint_says_so_and_ends(
-    sqlite_url: str, rx: Receiver
+    db_url: str, rx: Receiver
 ) -> None:
     clock = FakeClock()
-    app = Outbox(sqlite_url, endpoints=[endpoint(rx.url, name="ghost")], clock=clock)
-    dispatcher = Outbox(sqlite_url, endpoints=[endpoint(rx.url, name="rx")], clock=clock)
+    app = Outbox(db_url, endpoints=[endpoint(rx.url, name="ghost")], clock=clock)
+    dispatcher = Outbox(db_url, endpoints=[endpoint(rx.url, name="rx")], clock=clock)
     try:
         reserve(app, name="ghost")
         dispatcher.dispatch_once()
@@ -274,7 +274,7 @@ def test_an_operation_naming_an_unregistered_endpoint_says_so_and_ends(
         assert any("cannot be sent by any dispatcher" in p for p in status.problems)
         # The CLI's status --check fails on it.
         cli = subprocess.run(
-            [sys.executable, "-m", "outbox.cli", "--db", sqlite_url, "status", "--check",
+            [sys.executable, "-m", "outbox.cli", "--db", db_url, "status", "--check",
              "--max-pending-age", "100d"],
             check=False, capture_output=True, text=True, timeout=60,
         )  # fmt: skip

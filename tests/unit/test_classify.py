@@ -1,0 +1,82 @@
+"""The classification table (outbox/classify.py), answer by answer, as real receivers
+word them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from outbox import Verdict
+from outbox.classify import body_reading, classify_response
+
+NOW = 1_800_000_000_000
+
+
+def verdict(status: int, body: Any = None, *, replay_status: int | None = None) -> Verdict:
+    raw = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    response = httpx.Response(status, content=raw)
+    return classify_response(response, raw, NOW, replay_status=replay_status).verdict
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        # The IETF draft's reading, and the bodiless 409.
+        (409, None, Verdict.IN_PROGRESS),
+        (409, {"error": "idempotency_key_in_use"}, Verdict.IN_PROGRESS),
+        (422, {"error": "idempotency_key_reused"}, Verdict.KEY_CONFLICT),
+        # The article's receiver: a changed payload sent as 409.
+        (409, {"error": "payload_conflict"}, Verdict.KEY_CONFLICT),
+        # Stripe: 400 for a changed payload, 409 while in use (type idempotency_error too).
+        (400, {"error": {"type": "idempotency_error", "message": "Keys for idempotent "
+               "requests can only be used with the same parameters"}}, Verdict.KEY_CONFLICT),
+        (409, {"error": {"type": "idempotency_error", "code": "idempotency_key_in_use"}},
+         Verdict.IN_PROGRESS),
+        # fastapi-idempotency-key, fastapi-idempotency, asgi-idempotency-header.
+        (422, {"detail": "Idempotency key was previously used with a different request "
+               "payload."}, Verdict.KEY_CONFLICT),
+        (422, {"detail": "Idempotency-Key 'k' was already used for a different request."},
+         Verdict.KEY_CONFLICT),
+        (409, {"detail": "A request with idempotency key 'k' is still being processed."},
+         Verdict.IN_PROGRESS),
+        (409, {"detail": "Request already pending for idempotency key 'k'"},
+         Verdict.IN_PROGRESS),
+        (422, {"detail": "Idempotency-Key must be 1 to 255 characters long."}, Verdict.FAILED),
+        # RFC 9457 problem details.
+        (409, {"type": "https://example.com/probs/idempotency-mismatch", "title": "Mismatch"},
+         Verdict.KEY_CONFLICT),
+        # A stale version, as 409 or 412: definitive.
+        (409, {"error": "version_conflict", "current_version": 3}, Verdict.FAILED),
+        (409, {"code": "STALE_WRITE"}, Verdict.FAILED),
+        (412, {"error": "precondition_failed"}, Verdict.FAILED),
+        # Validation errors are failures, not conflicts.
+        (422, {"detail": [{"loc": ["body", "sku"], "msg": "field required"}]}, Verdict.FAILED),
+        (400, {"error": "invalid_body"}, Verdict.FAILED),
+        # Plain text bodies are read too.
+        (409, b"payload mismatch for this key", Verdict.KEY_CONFLICT),
+        (201, {"ok": True}, Verdict.SUCCESS),
+        (503, None, Verdict.RETRY),
+        (500, {"error": "conflict"}, Verdict.RETRY),  # 5xx: never a conflict
+    ],
+)
+def test_the_table(status: int, body: Any, expected: Verdict) -> None:
+    assert verdict(status, body) is expected
+
+
+def test_a_declared_replay_status_reads_a_409_with_a_result_as_a_replay() -> None:
+    assert verdict(409, {"effect_id": 1}, replay_status=409) is Verdict.SUCCESS
+    assert verdict(409, {"effect_id": 1}) is Verdict.IN_PROGRESS
+    # ...but a 409 that says in progress or names a conflict stays what it says.
+    assert verdict(409, {"error": "in_progress"}, replay_status=409) is Verdict.IN_PROGRESS
+    assert verdict(409, {"error": "payload_conflict"}, replay_status=409) is Verdict.KEY_CONFLICT
+    # A bodiless 409 proves nothing: still processing, as the draft says.
+    assert verdict(409, None, replay_status=409) is Verdict.IN_PROGRESS
+
+
+def test_hostile_bodies_never_raise() -> None:
+    assert body_reading(b"\xff\xfe" * 10) is None
+    assert body_reading(b"[" * 100_000) is None
+    assert body_reading(json.dumps({"error": {"code": None}}).encode()) is None
