@@ -1,0 +1,74 @@
+"""``python -m outbox.testing.receiver``: serve a receiver until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from outbox.testing.receiver.dialects import DIALECTS
+from outbox.testing.receiver.faults import RandomFaults
+from outbox.testing.receiver.inprocess import SYNC_LEVELS, Receiver
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m outbox.testing.receiver``: serve until SIGTERM or SIGINT."""
+    parser = argparse.ArgumentParser(
+        prog="python -m outbox.testing.receiver",
+        description="A local HTTP receiver with idempotency receipts and fault injection.",
+    )
+    parser.add_argument("--db", required=True, help="SQLite file (created if missing)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--key-ttl", type=float, default=None, help="forget receipts after S s")
+    parser.add_argument("--tenant-header", default="X-Tenant")
+    parser.add_argument("--synchronous", default="FULL", choices=SYNC_LEVELS)
+    parser.add_argument("--dialect", default="ietf", choices=sorted(DIALECTS))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
+    for flag in (
+        "drop-after-commit",
+        "fail-before-work",
+        "fail-after-commit",
+        "stored-500",
+        "delay-after-commit",
+        "stuck",
+    ):
+        parser.add_argument(f"--p-{flag}", type=float, default=0.0, metavar="P")
+    parser.add_argument("--delay-seconds", type=float, default=2.0)
+    parser.add_argument("--retry-after", default="1", help="Retry-After of random 503s")
+    args = parser.parse_args(argv)
+
+    random_faults = RandomFaults(
+        seed=args.seed,
+        p_drop_after_commit=args.p_drop_after_commit,
+        p_fail_before_work=args.p_fail_before_work,
+        p_fail_after_commit=args.p_fail_after_commit,
+        p_stored_500=args.p_stored_500,
+        p_delay_after_commit=args.p_delay_after_commit,
+        delay_seconds=args.delay_seconds,
+        p_stuck=args.p_stuck,
+        retry_after=args.retry_after or None,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with Receiver(
+        args.db,
+        host=args.host,
+        port=args.port,
+        key_ttl_seconds=args.key_ttl,
+        tenant_header=args.tenant_header,
+        synchronous=args.synchronous,
+        random_faults=random_faults,
+        dialect=args.dialect,
+    ) as rx:
+        print(f"listening {rx.url}", flush=True)
+        while not stop.wait(0.2):
+            pass
+    return 0

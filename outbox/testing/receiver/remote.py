@@ -1,0 +1,216 @@
+"""A receiver in another process: spawned (``python -m outbox.testing.receiver``) or
+attached to by URL."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+from outbox.testing.receiver.dialects import dialect_named
+from outbox.testing.receiver.faults import Faults, RandomFaults
+from outbox.testing.receiver.oracle import Oracle
+from outbox.testing.receiver.records import json_bytes
+from outbox.testing.receiver.service import ADMIN_PREFIX, Synchronous
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """How a spawned receiver's process is (re)started, and what it owns."""
+
+    argv: list[str]
+    startup_timeout_seconds: float
+    #: The temporary directory holding its database, deleted by close; None: the caller's.
+    tmpdir: str | None
+
+
+class RemoteReceiver(Oracle):
+    """A receiver in another process: faults go through its admin routes, while effects,
+    receipts and the request log are read from its SQLite file directly.
+
+    ``RemoteReceiver(url, db_path)`` attaches to a running receiver;
+    :meth:`RemoteReceiver.spawn` (or :meth:`Receiver.spawn`) starts one and returns a
+    RemoteReceiver that owns it.
+    """
+
+    def __init__(self, url: str, db_path: str | os.PathLike[str]) -> None:
+        self._url: str | None = url.rstrip("/")
+        self._db_path = Path(db_path)
+        self._port = 0
+        self._launch: _Launch | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self.faults = Faults(self._submit_fault, self._clear_faults)
+        """Fault injection controls, sent to the receiver's admin routes."""
+
+    @classmethod
+    def spawn(
+        cls,
+        db_path: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        key_ttl_seconds: float | None = None,
+        tenant_header: str = "X-Tenant",
+        synchronous: Synchronous = "FULL",
+        random_faults: RandomFaults | None = None,
+        startup_timeout_seconds: float = 15.0,
+        dialect: str = "ietf",
+    ) -> Self:
+        """Run ``python -m outbox.testing.receiver`` in its own process.
+
+        The returned receiver owns the process (and the temporary database when
+        ``db_path`` is None): :meth:`close` ends both.
+        """
+        tmpdir = None
+        if db_path is None:
+            tmpdir = tempfile.mkdtemp(prefix="outbox-receiver-")
+            db_path = Path(tmpdir) / "receiver.db"
+        argv = [
+            "--db",
+            os.fspath(db_path),
+            "--host",
+            host,
+            "--tenant-header",
+            tenant_header,
+            "--synchronous",
+            synchronous,
+            "--dialect",
+            dialect_named(dialect).name,
+        ]
+        if key_ttl_seconds is not None:
+            argv += ["--key-ttl", repr(key_ttl_seconds)]
+        if random_faults is not None:
+            argv += random_faults.to_argv()
+        remote = cls("", db_path)
+        remote._url, remote._port = None, port  # not running until started
+        remote._launch = _Launch(argv, startup_timeout_seconds, tmpdir)
+        try:
+            remote.start()
+        except BaseException:
+            remote.close()
+            raise
+        return remote
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` of the receiver."""
+        if self._url is None:
+            raise RuntimeError("the receiver process is not running")
+        return self._url
+
+    @property
+    def pid(self) -> int | None:
+        """The process id when this object spawned the receiver and it is running."""
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> Self:
+        """(Re)start the spawned process on the same database and, if possible, port."""
+        launch = self._launch
+        if launch is None:
+            raise RuntimeError("only a receiver made by spawn can be started")
+        if self._process is not None:
+            return self
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "outbox.testing.receiver", *launch.argv]
+        process = subprocess.Popen(
+            [*cmd, "--port", str(self._port)], stdout=subprocess.PIPE, env=env
+        )
+        self._process = process
+        line = _read_line(process, launch.startup_timeout_seconds)
+        if not line.startswith("listening "):
+            self.stop()
+            raise RuntimeError(f"the receiver did not start (said {line!r})")
+        self._url = line.split(" ", 1)[1].strip()
+        self._port = urllib.parse.urlsplit(self._url).port or 0
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM the spawned process and wait for it (SIGKILL after 10 s)."""
+        process = self._process
+        if process is None:
+            return
+        self._process = None
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+    def kill(self) -> None:
+        """SIGKILL the spawned process (a crash, not a shutdown)."""
+        process = self._process
+        if process is not None:
+            process.kill()
+        self.stop()
+
+    def close(self) -> None:
+        """Stop a spawned process and delete its temporary database, if any."""
+        self.stop()
+        launch = self._launch
+        if launch is not None and launch.tmpdir is not None:
+            shutil.rmtree(launch.tmpdir, ignore_errors=True)
+            self._launch = replace(launch, tmpdir=None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _admin(self, method: str, route: str, payload: Any = None) -> Any:
+        parts = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+        try:
+            body = None if payload is None else json_bytes(payload)
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            conn.request(method, ADMIN_PREFIX + route, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        if response.status >= 400:
+            raise ValueError(f"receiver admin {route}: {response.status} {data.decode()}")
+        return json.loads(data)
+
+    def health(self) -> bool:
+        """Whether the receiver answers its health route."""
+        try:
+            return bool(self._admin("GET", "health")["ok"])
+        except (OSError, ValueError, RuntimeError):
+            return False
+
+    def _submit_fault(self, spec: dict[str, Any]) -> None:
+        self._admin("POST", "faults", spec)
+
+    def _clear_faults(self) -> None:
+        self._admin("POST", "faults/clear", {})
+
+
+def _read_line(process: subprocess.Popen[bytes], timeout: float) -> str:
+    stream: IO[bytes] | None = process.stdout
+    assert stream is not None
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        return ""
+    return stream.readline().decode(errors="replace")
