@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 from outbox.logs import get_logger
 from outbox.store import monitoring
+from outbox.version import __version__
 
 if TYPE_CHECKING:
-    from outbox.dispatch import Dispatcher
+    from outbox.observe import RunningDispatcher
 
 logger = get_logger("outbox.dispatch")
 
@@ -24,10 +25,8 @@ FORGET_AFTER_MS = 24 * 3_600_000
 _PRUNE_EVERY_BEATS = 120
 
 
-async def beat(dispatcher: Dispatcher) -> None:
+async def beat(dispatcher: RunningDispatcher) -> None:
     """Write the dispatcher's row until cancelled; a failed write is logged, never raised."""
-    from outbox import __version__
-
     log = logger.bind(dispatcher_id=dispatcher.dispatcher_id)
     started_at = dispatcher.clock.now_ms()
     host, pid = socket.gethostname(), os.getpid()
@@ -59,7 +58,7 @@ async def beat(dispatcher: Dispatcher) -> None:
         await asyncio.sleep(dispatcher.settings.heartbeat_seconds)
 
 
-async def stopped(dispatcher: Dispatcher) -> None:
+async def stopped(dispatcher: RunningDispatcher) -> None:
     """Mark the row stopped: a graceful exit shows at once, not after the timeout."""
     try:
         await dispatcher.run_db(

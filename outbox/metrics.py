@@ -47,8 +47,8 @@ from outbox.store import monitoring
 if TYPE_CHECKING:
     from outbox.client import Outbox
     from outbox.config import Endpoint
-    from outbox.dispatch import Dispatcher
     from outbox.model import Reason, State
+    from outbox.observe import RunningDispatcher
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
     from outbox.transport import AttemptResult
 
@@ -199,7 +199,7 @@ class OutboxMetrics:
         self._children: dict[tuple[Any, ...], Any] = {}
         # pk -> (endpoint, created_at) of the operations this process holds.
         self._held: dict[int, tuple[str, int | None]] = {}
-        self._dispatchers: list[Dispatcher] = []
+        self._dispatchers: list[RunningDispatcher] = []
         #: time.monotonic() of the last turn of a running dispatcher's event loop.
         self.loop_turned_at: float | None = None
         self._ticker: asyncio.TimerHandle | None = None
@@ -233,12 +233,12 @@ class OutboxMetrics:
 
     # -- Instrumentation -------------------------------------------------------------
 
-    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
         self._dispatchers.append(dispatcher)
         if self._ticker is None:
             self._tick(asyncio.get_running_loop())
 
-    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
         if dispatcher in self._dispatchers:
             self._dispatchers.remove(dispatcher)
         if not self._dispatchers and self._ticker is not None:

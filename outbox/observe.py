@@ -8,24 +8,52 @@ neither, every hook is an empty method call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from outbox.config import Endpoint
-    from outbox.dispatch import Dispatcher
+    from outbox.clock import Clock
+    from outbox.config import DispatcherSettings, Endpoint
     from outbox.model import Reason, State
+    from outbox.store.base import Store
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
     from outbox.transport import AttemptResult
+
+_T = TypeVar("_T")
+
+
+class RunningDispatcher(Protocol):
+    """What instrumentation and heartbeats read of a running dispatcher
+    (:class:`outbox.dispatch.Dispatcher`), so they need not import it."""
+
+    @property
+    def dispatcher_id(self) -> str: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def settings(self) -> DispatcherSettings: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def db_answered_at(self) -> float | None: ...
+
+    async def run_db(self, fn: Callable[..., _T], /, **kwargs: Any) -> _T: ...
 
 
 class Instrumentation(Protocol):
     """What the dispatcher reports. Hooks must be cheap and must never raise."""
 
-    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
         """The dispatcher's loop runs (called inside it)."""
 
-    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
         """The dispatcher drained and stopped (called inside its loop)."""
 
     def claimed(
@@ -67,10 +95,10 @@ class Instrumentation(Protocol):
 class NoInstrumentation:
     """Every hook does nothing."""
 
-    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
         pass
 
-    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
         pass
 
     def claimed(
@@ -115,11 +143,11 @@ class Combined:
     def __init__(self, parts: Sequence[Instrumentation]) -> None:
         self.parts = tuple(parts)
 
-    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
         for p in self.parts:
             p.dispatcher_started(dispatcher)
 
-    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
         for p in self.parts:
             p.dispatcher_stopped(dispatcher)
 

@@ -25,10 +25,12 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from outbox.version import __version__
+
 if TYPE_CHECKING:
     from outbox.config import Endpoint
-    from outbox.dispatch import Dispatcher
     from outbox.model import Reason, State
+    from outbox.observe import RunningDispatcher
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
     from outbox.transport import AttemptResult
 
@@ -65,14 +67,12 @@ class Tracing:
     """The dispatcher's instrumentation that makes spans (see the module docstring)."""
 
     def __init__(self, provider: trace.TracerProvider) -> None:
-        from outbox import __version__
-
         self.tracer = provider.get_tracer("outbox", __version__)
 
-    def dispatcher_started(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
         pass
 
-    def dispatcher_stopped(self, dispatcher: Dispatcher) -> None:
+    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
         pass
 
     def claimed(

@@ -4,7 +4,7 @@ Build the ASGI app with :func:`create_app` (for mounting or tests) or run it wit
 :func:`outbox.console.server.serve` (what the command does).
 """
 
-from outbox.console.app import create_app
 from outbox.console.auth import Credentials
+from outbox.console.routes import create_app
 
 __all__ = ["Credentials", "create_app"]

@@ -13,22 +13,17 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, MutableHeaders
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from outbox import __version__
-from outbox.console import render
 from outbox.console.auth import Credentials, Session, Sessions
+from outbox.console.render import environment
 from outbox.errors import StoreError
+from outbox.version import __version__
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
@@ -90,7 +85,7 @@ class Console:
         self.credentials = credentials
         self.read_only = read_only
         self.sessions = sessions or Sessions()
-        self.env = render.environment()
+        self.env = environment()
         self.env.globals.update(op_url=op_url, op_link=op_link)
         self.database = outbox.engine.url.render_as_string(hide_password=True)
 
@@ -300,41 +295,6 @@ def op_url(op: Any) -> str:
 def query_url(path: str, params: Mapping[str, Any]) -> str:
     clean = {k: v for k, v in params.items() if v not in (None, "")}
     return path + ("?" + urlencode(clean) if clean else "")
-
-
-def create_app(
-    outbox: Outbox,
-    credentials: Credentials,
-    *,
-    read_only: bool = False,
-    allowed_hosts: list[str] | None = None,
-    sessions: Sessions | None = None,
-) -> Starlette:
-    """The console as an ASGI app. ``allowed_hosts``: Host header values accepted (a
-    defence against DNS rebinding on a loopback bind); None accepts any."""
-    from outbox.console import views
-
-    console = Console(outbox, credentials, read_only=read_only, sessions=sessions)
-    v = views.Views(console)
-    routes = [
-        Route("/login", console.login_form, methods=["GET"]),
-        Route("/login", console.login, methods=["POST"]),
-        Route("/logout", console.logout, methods=["POST"]),
-        Route("/", console.reader(v.overview), methods=["GET"]),
-        Route("/queue", console.reader(v.queue), methods=["GET"]),
-        Route("/operations", console.reader(v.operations), methods=["GET"]),
-        Route("/operation", console.reader(v.operation), methods=["GET"]),
-        Route("/audit", console.reader(v.audit), methods=["GET"]),
-        Route("/operation/{action}", console.writer(v.act), methods=["POST"]),
-        Route("/bulk", console.writer(v.bulk), methods=["POST"]),
-        Mount("/static", StaticFiles(directory=render.HERE / "static"), name="static"),
-    ]
-    middleware = [Middleware(SecurityHeaders)]
-    if allowed_hosts is not None:
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
-    app = Starlette(routes=routes, middleware=middleware)
-    app.state.console = console
-    return app
 
 
 async def in_thread(fn: Callable[[], Any]) -> Any:

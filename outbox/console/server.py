@@ -6,8 +6,8 @@ import ipaddress
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from outbox.console.app import create_app
 from outbox.console.auth import TOKEN_ENV, Credentials
+from outbox.console.routes import create_app
 from outbox.errors import ConfigurationError
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from outbox.browse import (
     bulk_action,
     probe_refusal,
 )
-from outbox.console import render
 from outbox.console.app import Console, in_thread, op_link, query_url
 from outbox.console.auth import Session
+from outbox.console.render import JSON_DISPLAY_LIMIT, masked, pretty_json
 from outbox.errors import (
     ConcurrentModification,
     ConfigurationError,
@@ -254,11 +254,11 @@ class Views:
             report=report,
             actions=actions,
             attempts=attempts,
-            headers=render.masked(op.headers, secret),
-            body=render.pretty_json(op.body),
-            result_headers=render.masked(op.result.headers if op.result else None, secret),
-            result_body=render.pretty_json(op.result.body if op.result else None),
-            json_limit=render.JSON_DISPLAY_LIMIT,
+            headers=masked(op.headers, secret),
+            body=pretty_json(op.body),
+            result_headers=masked(op.result.headers if op.result else None, secret),
+            result_body=pretty_json(op.result.body if op.result else None),
+            json_limit=JSON_DISPLAY_LIMIT,
             notice=notice,
             probe_outcome=probe_outcome,
         )
