@@ -34,12 +34,12 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 
 from outbox.model import Delivery, Verdict
-from outbox.policy import parse_retry_after
 
 #: Retry, spending an attempt: the receiver refused before doing work.
 REFUSAL_STATUSES = frozenset({408, 425, 429, 503})
@@ -80,6 +80,25 @@ _NESTED = ("code", "type", "message", "detail", "title")
 _SEPARATORS = re.compile(r"[\s_\-]+")
 #: Bytes of a non-JSON body searched for markers.
 _TEXT_LIMIT = 2048
+
+
+def parse_retry_after(value: str | None, now_ms: int) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date).
+
+    Garbage is ignored (None): the backoff then decides alone.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - now_ms / 1000)
 
 
 @dataclass(frozen=True, slots=True)

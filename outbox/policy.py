@@ -8,7 +8,6 @@ counts in the database, so a restart neither resets nor repeats the backoff.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 
 from tenacity import RetryCallState, Retrying
 
@@ -50,25 +49,6 @@ def in_progress_backoff_seconds(endpoint: Endpoint, answers: int) -> float:
 
 def last_try_guard_ms(endpoint: Endpoint) -> int:
     return min(LAST_TRY_GUARD_MS, max(1, endpoint.retry.window_ms // 10))
-
-
-def parse_retry_after(value: str | None, now_ms: int) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date).
-
-    Garbage is ignored (None): the backoff then decides alone.
-    """
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - now_ms / 1000)
 
 
 def reason_from_history(*, maybe_delivered: bool, saw_refusal: bool) -> Reason:
@@ -117,9 +97,7 @@ def decide(
     reason = reason_from_history(maybe_delivered=maybe_delivered, saw_refusal=saw_refusal)
     if verdict is Verdict.IN_PROGRESS:
         if attempts_in_progress >= endpoint.retry.in_progress_budget:
-            return Decision(
-                State.UNRESOLVED, Reason.RECEIVER_BUSY, why="in-progress budget spent"
-            )
+            return Decision(State.UNRESOLVED, Reason.RECEIVER_BUSY, why="in-progress budget spent")
         delay = in_progress_backoff_seconds(endpoint, attempts_in_progress)
     else:
         if attempts_counted >= endpoint.retry.max_attempts:

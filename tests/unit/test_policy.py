@@ -9,11 +9,11 @@ import pytest
 from tenacity import wait_fixed
 
 from outbox import Endpoint, Reason, RetryPolicy, State, Verdict
+from outbox.classify import parse_retry_after
 from outbox.policy import (
     backoff_seconds,
     decide,
     in_progress_backoff_seconds,
-    parse_retry_after,
     reason_from_history,
 )
 
