@@ -207,33 +207,6 @@ class Receiver(Oracle):
 
     # ------------------------------------------------------------- subprocess
 
-    @staticmethod
-    def spawn(
-        db_path: str | os.PathLike[str] | None = None,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        key_ttl_seconds: float | None = None,
-        tenant_header: str = "X-Tenant",
-        synchronous: Synchronous = "FULL",
-        random_faults: RandomFaults | None = None,
-        startup_timeout_seconds: float = 15.0,
-        dialect: str = "ietf",
-    ) -> RemoteReceiver:
-        """Run ``python -m outbox.testing.receiver`` in its own process.
-
-        Same as :meth:`RemoteReceiver.spawn`: the returned receiver owns the process (and
-        the temporary database when ``db_path`` is None); :meth:`RemoteReceiver.close`
-        ends both.
-        """
-        return RemoteReceiver.spawn(
-            db_path,
-            host=host,
-            port=port,
-            key_ttl_seconds=key_ttl_seconds,
-            tenant_header=tenant_header,
-            synchronous=synchronous,
-            random_faults=random_faults,
-            startup_timeout_seconds=startup_timeout_seconds,
-            dialect=dialect,
-        )
+    #: Run ``python -m outbox.testing.receiver`` in its own process: the same as
+    #: :meth:`RemoteReceiver.spawn`, which returns a receiver owning that process.
+    spawn = RemoteReceiver.spawn
