@@ -10,8 +10,6 @@ many operations in one transaction (CPU-bound: the per-call cost of ``enqueue`` 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 import uuid
 from typing import Any
@@ -39,28 +37,20 @@ def _outbox(db_url: str) -> Any:
 
 
 def _bare_row(op_id: str, body: dict[str, Any], now_ms: int) -> dict[str, Any]:
-    """The row ``enqueue`` writes, built by hand as an application would."""
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return {
-        "tenant": "",
-        "operation_id": op_id,
-        "endpoint": "rx",
-        "method": "POST",
-        "path": "/orders",
-        "headers": "{}",
-        "body": text,
-        "args_sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "ordering_key": None,
-        "state": "pending",
-        "attempts_counted": 0,
-        "attempts_total": 0,
-        "maybe_delivered": False,
-        "saw_refusal": False,
-        "next_attempt_at": now_ms,
-        "version": 0,
-        "created_at": now_ms,
-        "updated_at": now_ms,
-    }
+    """The row ``enqueue`` writes (the store's own ``operation_row``, from the canonical
+    arguments), without anything else ``enqueue`` does."""
+    from outbox.canonical import canonicalize
+    from outbox.store.base import operation_row
+
+    args = canonicalize(
+        endpoint="rx",
+        method="POST",
+        path="/orders",
+        json_body=body,
+        headers=None,
+        max_body_bytes=1 << 20,
+    )
+    return operation_row(tenant="", operation_id=op_id, args=args, ordering_key=None, now_ms=now_ms)
 
 
 def own_transaction(db_url: str, n: int) -> float:
