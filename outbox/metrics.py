@@ -45,10 +45,10 @@ from outbox.logs import get_logger
 from outbox.store import monitoring
 
 if TYPE_CHECKING:
-    from outbox.client import Outbox
     from outbox.config import Endpoint
     from outbox.model import Reason, State
     from outbox.observe import RunningDispatcher
+    from outbox.parts import OutboxParts
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
     from outbox.transport import AttemptResult
 
@@ -61,7 +61,7 @@ _SETTLE_BUCKETS = (*_DELAY_BUCKETS, 4 * 3600, 24 * 3600)
 class _Backlog(Collector):
     """Scrape-time gauges from one cached store snapshot."""
 
-    def __init__(self, outbox: Outbox, cache_seconds: float, metrics: OutboxMetrics) -> None:
+    def __init__(self, outbox: OutboxParts, cache_seconds: float, metrics: OutboxMetrics) -> None:
         self._outbox = outbox
         self._cache_seconds = cache_seconds
         self._metrics = metrics
@@ -154,7 +154,7 @@ class OutboxMetrics:
 
     def __init__(
         self,
-        outbox: Outbox,
+        outbox: OutboxParts,
         *,
         registry: CollectorRegistry | None = None,
         cache_seconds: float = 5.0,

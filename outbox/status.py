@@ -15,7 +15,7 @@ from outbox.model import ms_to_datetime
 from outbox.store import monitoring
 
 if TYPE_CHECKING:
-    from outbox.client import Outbox
+    from outbox.parts import OutboxParts
 
 #: A dispatcher silent for longer than this is listed as lost (``--dispatcher-timeout``).
 DEFAULT_DISPATCHER_TIMEOUT = timedelta(seconds=30)
@@ -108,7 +108,7 @@ class Watch:
 
 
 def near_expiry_cutoffs(
-    outbox: Outbox, now_ms: int, near: timedelta = NEAR_EXPIRY
+    outbox: OutboxParts, now_ms: int, near: timedelta = NEAR_EXPIRY
 ) -> dict[str, int]:
     """Per registered endpoint: first attempts before this put the key near expiry."""
     return {
@@ -117,7 +117,7 @@ def near_expiry_cutoffs(
     }
 
 
-def watch(outbox: Outbox, *, now_ms: int, dispatcher_timeout: timedelta) -> Watch:
+def watch(outbox: OutboxParts, *, now_ms: int, dispatcher_timeout: timedelta) -> Watch:
     timeout_ms = dispatcher_timeout.total_seconds() * 1000
     infos = []
     for row in monitoring.list_dispatchers(outbox.store):
