@@ -39,12 +39,14 @@ from typing import Any
 
 import httpx
 
-from outbox.model import Delivery, Verdict
+from outbox.model import (
+    MAYBE_APPLIED_STATUSES,
+    REFUSAL_STATUSES,
+    Delivery,
+    StatusFamily,
+    Verdict,
+)
 
-#: Retry, spending an attempt: the receiver refused before doing work.
-REFUSAL_STATUSES = frozenset({408, 425, 429, 503})
-#: Retry, spending an attempt: the receiver (or a gateway) may have done the work.
-MAYBE_APPLIED_STATUSES = frozenset({500, 502, 504})
 #: The IETF Idempotency-Key draft's "a request with this key is still being processed".
 IN_PROGRESS_STATUS = 409
 #: Statuses whose body may name a key or payload conflict.
@@ -191,11 +193,12 @@ def classify_response(
                 maybe_applied=True,
                 retry_after_seconds=retry_after,
             )
-    if status in REFUSAL_STATUSES:
+    family = StatusFamily.of(status)
+    if family is StatusFamily.REFUSAL:
         return Classification(
             Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after
         )
-    if status in MAYBE_APPLIED_STATUSES or status >= 500:
+    if family is StatusFamily.MAYBE_APPLIED:
         return Classification(
             Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
         )

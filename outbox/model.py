@@ -111,6 +111,36 @@ class ErrorClass(enum.StrEnum):
     CLASSIFIER_FAILED = "ClassifierFailed"
 
 
+#: Statuses of a receiver that refused before doing any work: sending again is safe.
+REFUSAL_STATUSES = frozenset({408, 425, 429, 503})
+#: Statuses after which the receiver (or a gateway) may have done the work.
+MAYBE_APPLIED_STATUSES = frozenset({500, 502, 504})
+
+
+class StatusFamily(enum.StrEnum):
+    """What an HTTP status alone says about whether the receiver did the work.
+
+    The one definition of the families; the body may refine a definitive answer
+    (``outbox.classify`` reads it), never a refusal or a maybe-applied one.
+    """
+
+    #: Refused before doing any work (408, 425, 429, 503).
+    REFUSAL = "refusal"
+    #: The receiver, or a gateway in front of it, may have done the work (500, 502, 504
+    #: and every other 5xx but 503).
+    MAYBE_APPLIED = "maybe_applied"
+    #: Any other status: the receiver answered for what it did (or did not do).
+    DEFINITIVE = "definitive"
+
+    @classmethod
+    def of(cls, status: int) -> StatusFamily:
+        if status in REFUSAL_STATUSES:
+            return cls.REFUSAL
+        if status in MAYBE_APPLIED_STATUSES or status >= 500:
+            return cls.MAYBE_APPLIED
+        return cls.DEFINITIVE
+
+
 class Action(enum.StrEnum):
     """Operator actions recorded in the audit trail."""
 
