@@ -14,8 +14,6 @@ from outbox.model import Operation, Reason, State
 from outbox.store.base import AuditRecord, Store, _operation
 from outbox.store.tables import audit, operations
 
-o = operations
-
 
 @dataclass(frozen=True, slots=True)
 class OperationQuery:
@@ -39,18 +37,18 @@ class AuditQuery:
 
 def _where(query: Any, q: OperationQuery) -> Any:
     if q.states:
-        query = query.where(o.c.state.in_([s.value for s in q.states]))
+        query = query.where(operations.c.state.in_([s.value for s in q.states]))
     if q.reason is not None:
-        query = query.where(o.c.reason == q.reason.value)
+        query = query.where(operations.c.reason == q.reason.value)
     if q.endpoint is not None:
-        query = query.where(o.c.endpoint == q.endpoint)
+        query = query.where(operations.c.endpoint == q.endpoint)
     if q.tenant is not None:
-        query = query.where(o.c.tenant == q.tenant)
+        query = query.where(operations.c.tenant == q.tenant)
     if q.created_before_ms is not None:
-        query = query.where(o.c.created_at <= q.created_before_ms)
+        query = query.where(operations.c.created_at <= q.created_before_ms)
     if q.id_contains:
         # autoescape: % and _ in the search text match themselves.
-        query = query.where(o.c.operation_id.contains(q.id_contains, autoescape=True))
+        query = query.where(operations.c.operation_id.contains(q.id_contains, autoescape=True))
     return query
 
 
@@ -58,10 +56,18 @@ def operations_page(
     store: Store, q: OperationQuery, *, newest_first: bool, limit: int, offset: int
 ) -> tuple[list[Operation], int]:
     """One page of operations (without attempts) and the total matching the filters."""
-    order = (o.c.created_at.desc(), o.c.id.desc()) if newest_first else (o.c.created_at, o.c.id)
+    order = (
+        (operations.c.created_at.desc(), operations.c.id.desc())
+        if newest_first
+        else (operations.c.created_at, operations.c.id)
+    )
     with store.read() as conn:
-        total = int(conn.execute(_where(select(func.count()).select_from(o), q)).scalar_one())
-        rows = conn.execute(_where(select(o), q).order_by(*order).limit(limit).offset(offset))
+        total = int(
+            conn.execute(_where(select(func.count()).select_from(operations), q)).scalar_one()
+        )
+        rows = conn.execute(
+            _where(select(operations), q).order_by(*order).limit(limit).offset(offset)
+        )
         return [_operation(r, ()) for r in rows], total
 
 
@@ -109,11 +115,16 @@ def distinct_values(store: Store) -> tuple[list[str], list[str], list[str]]:
     """Endpoints, tenants and audit actors present, for the filter menus (capped)."""
     with store.read() as conn:
         endpoints = [
-            r[0] for r in conn.execute(select(o.c.endpoint).distinct().order_by(o.c.endpoint))
+            r[0]
+            for r in conn.execute(
+                select(operations.c.endpoint).distinct().order_by(operations.c.endpoint)
+            )
         ]
         tenants = [
             r[0]
-            for r in conn.execute(select(o.c.tenant).distinct().order_by(o.c.tenant).limit(200))
+            for r in conn.execute(
+                select(operations.c.tenant).distinct().order_by(operations.c.tenant).limit(200)
+            )
         ]
         actors = [
             r[0]

@@ -17,7 +17,6 @@ from outbox.model import State
 from outbox.store.base import Store
 from outbox.store.tables import attempts, dispatchers, operations
 
-o = operations
 _LIVE = [State.PENDING.value, State.IN_FLIGHT.value, State.UNRESOLVED.value]
 _DUE_STATES = [State.PENDING.value, State.IN_FLIGHT.value]
 
@@ -77,33 +76,33 @@ def backlog(store: Store, *, now_ms: int, near_expiry_before_ms: Mapping[str, in
     ``near_expiry_before_ms`` maps an endpoint to the first-attempt time before which
     its key counts as near expiry (endpoints not in it count none).
     """
-    unsendable = and_(o.c.state == State.PENDING.value, o.c.last_error.is_not(None))
-    due_now = and_(o.c.state.in_(_DUE_STATES), o.c.next_attempt_at <= now_ms)
+    unsendable = and_(
+        operations.c.state == State.PENDING.value, operations.c.last_error.is_not(None)
+    )
+    due_now = and_(operations.c.state.in_(_DUE_STATES), operations.c.next_attempt_at <= now_ms)
     if near_expiry_before_ms:
         cutoff: Any = case(
             {name: literal(ms) for name, ms in near_expiry_before_ms.items()},
-            value=o.c.endpoint,
+            value=operations.c.endpoint,
             else_=None,
         )
-        near: Any = func.sum(
-            case((and_(o.c.first_attempt_at.is_not(None), o.c.first_attempt_at <= cutoff), 1),
-                 else_=0)
-        )  # fmt: skip
+        first = operations.c.first_attempt_at
+        near: Any = func.sum(case((and_(first.is_not(None), first <= cutoff), 1), else_=0))
     else:
         near = literal(0)
     query = (
         select(
-            o.c.endpoint,
-            o.c.state,
-            o.c.reason,
+            operations.c.endpoint,
+            operations.c.state,
+            operations.c.reason,
             func.count().label("n"),
             func.sum(case((due_now, 1), else_=0)).label("due"),
-            func.min(case((due_now, o.c.next_attempt_at), else_=None)).label("oldest_due"),
+            func.min(case((due_now, operations.c.next_attempt_at), else_=None)).label("oldest_due"),
             near.label("near"),
             func.sum(case((unsendable, 1), else_=0)).label("unsendable"),
         )
-        .where(o.c.state.in_(_LIVE))
-        .group_by(o.c.endpoint, o.c.state, o.c.reason)
+        .where(operations.c.state.in_(_LIVE))
+        .group_by(operations.c.endpoint, operations.c.state, operations.c.reason)
     )
     snapshot = Backlog(now_ms=now_ms)
     with store.read() as conn:
@@ -134,12 +133,11 @@ def attempts_by_outcome(store: Store, *, since_ms: int) -> list[tuple[str, str, 
 
     ``open`` for an attempt without an outcome yet, ``none`` for one without a verdict.
     """
-    a = attempts
     with store.read() as conn:
         rows = conn.execute(
-            select(a.c.delivery, a.c.verdict, func.count().label("n"))
-            .where(a.c.started_at >= since_ms)
-            .group_by(a.c.delivery, a.c.verdict)
+            select(attempts.c.delivery, attempts.c.verdict, func.count().label("n"))
+            .where(attempts.c.started_at >= since_ms)
+            .group_by(attempts.c.delivery, attempts.c.verdict)
         ).all()
     return sorted((r.delivery or "open", r.verdict or "none", int(r.n)) for r in rows)
 
