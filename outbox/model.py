@@ -157,6 +157,13 @@ def ms_to_datetime(ms: int | None) -> datetime | None:
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
+def ms_to_iso(ms: int | None, *, timespec: str = "milliseconds") -> str | None:
+    """Epoch milliseconds as ISO 8601 in UTC with a ``Z`` (``timespec`` as for
+    :meth:`datetime.isoformat`); None stays None."""
+    value = ms_to_datetime(ms)
+    return value.isoformat(timespec=timespec).replace("+00:00", "Z") if value else None
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """One HTTP attempt: the evidence an operator reads."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from outbox.model import ms_to_datetime
+from outbox.model import ms_to_iso
 from outbox.store import monitoring
 
 if TYPE_CHECKING:
@@ -21,11 +21,6 @@ if TYPE_CHECKING:
 DEFAULT_DISPATCHER_TIMEOUT = timedelta(seconds=30)
 #: How far before key expiry an operation counts as "near" it.
 NEAR_EXPIRY = timedelta(hours=1)
-
-
-def _iso(ms: int | None) -> str | None:
-    value = ms_to_datetime(ms)
-    return value.isoformat(timespec="milliseconds").replace("+00:00", "Z") if value else None
 
 
 @dataclass(frozen=True)
@@ -47,10 +42,10 @@ class DispatcherInfo:
             "version": r.version,
             "concurrency": r.concurrency,
             "in_flight": r.in_flight,
-            "started_at": _iso(r.started_at_ms),
-            "last_seen_at": _iso(r.last_seen_at_ms),
+            "started_at": ms_to_iso(r.started_at_ms),
+            "last_seen_at": ms_to_iso(r.last_seen_at_ms),
             "last_seen_seconds_ago": round(self.last_seen_seconds_ago, 3),
-            "stopped_at": _iso(r.stopped_at_ms),
+            "stopped_at": ms_to_iso(r.stopped_at_ms),
         }
 
 
