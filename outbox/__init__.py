@@ -6,11 +6,10 @@ request ID per attempt, retries within a bounded window, and moves what stays un
 to a reconciliation queue for an operator.
 """
 
-from outbox.classify import Classification
-from outbox.client import Intent, Outbox
+import importlib as _importlib
+import typing as _typing
+
 from outbox.clock import Clock, FakeClock, SystemClock
-from outbox.config import DispatcherSettings, Endpoint, RetryPolicy, TenantScope
-from outbox.dispatch import DispatchSummary
 from outbox.errors import (
     ConcurrentModification,
     ConfigurationError,
@@ -24,7 +23,6 @@ from outbox.errors import (
     ValidationError,
     WaitTimeout,
 )
-from outbox.lookup import StatusLookup
 from outbox.model import (
     Attempt,
     Delivery,
@@ -35,7 +33,45 @@ from outbox.model import (
     State,
     Verdict,
 )
-from outbox.store.engine import create_async_engine, create_engine
+
+if _typing.TYPE_CHECKING:
+    from outbox.classify import Classification
+    from outbox.client import Intent, Outbox
+    from outbox.config import DispatcherSettings, Endpoint, RetryPolicy, TenantScope
+    from outbox.dispatch import DispatchSummary
+    from outbox.lookup import StatusLookup
+    from outbox.store.engine import create_async_engine, create_engine
+
+#: Imported on first use: the dispatcher brings httpx, aiohttp and tenacity with it, and
+#: SQLAlchemy's engine machinery is not needed to name an exception. A read-only command
+#: line stays fast this way (tests/acceptance/test_cli_startup.py pins what it imports).
+_LAZY = {
+    "Classification": "outbox.classify",
+    "DispatchSummary": "outbox.dispatch",
+    "DispatcherSettings": "outbox.config",
+    "Endpoint": "outbox.config",
+    "Intent": "outbox.client",
+    "Outbox": "outbox.client",
+    "RetryPolicy": "outbox.config",
+    "StatusLookup": "outbox.lookup",
+    "TenantScope": "outbox.config",
+    "create_async_engine": "outbox.store.engine",
+    "create_engine": "outbox.store.engine",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'outbox' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,6 @@ from outbox.canonical import (
 )
 from outbox.clock import Clock, OffsetClock, SystemClock
 from outbox.config import DispatcherSettings, Endpoint
-from outbox.dispatch import Dispatcher, DispatchSummary, TransportFactory
 from outbox.errors import (
     ConfigurationError,
     NotStoredError,
@@ -50,6 +49,9 @@ from outbox.transaction import TransactionMethods
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    # The dispatcher pulls in httpx and aiohttp: imported when dispatching, so that
+    # reading an outbox (the operator's commands) starts fast.
+    from outbox.dispatch import Dispatcher, DispatchSummary, TransportFactory
     from outbox.metrics import OutboxMetrics
     from outbox.reconcile import Reconciler
 
@@ -102,6 +104,11 @@ class Outbox(AsyncMethods, TransactionMethods):
     ``Outbox()`` uses ``./outbox.sqlite3``. On SQLite the schema is created or upgraded
     on open, through the bundled migrations; on PostgreSQL run ``outbox migrate`` first
     (several processes share that database, so schema changes are a deliberate step).
+    With ``auto_migrate=False`` nothing is ever created: a missing SQLite file or a
+    missing schema raises :class:`~outbox.errors.SchemaError`.
+
+    ``schema`` (PostgreSQL only) keeps the outbox tables in that schema instead of the
+    connection's default ``search_path`` (``outbox migrate --schema NAME`` creates it).
     """
 
     def __init__(
@@ -116,7 +123,13 @@ class Outbox(AsyncMethods, TransactionMethods):
         dispatcher: DispatcherSettings | None = None,
         transport_factory: TransportFactory | None = None,
         tracer_provider: Any = None,
+        schema: str | None = None,
     ) -> None:
+        if isinstance(db, Engine) and schema is not None:
+            raise ConfigurationError(
+                "schema= applies to a URL; for an engine of your own, give it the "
+                "search_path (outbox.create_engine(url, schema=...))"
+            )
         if isinstance(db, Engine):
             user_engine = db
             if user_engine.dialect.name == "sqlite" and user_engine not in _CONFIGURED:
@@ -128,7 +141,11 @@ class Outbox(AsyncMethods, TransactionMethods):
                 self.engine = user_engine
                 self._owns_engine = False
         else:
-            self.engine = create_engine(db if db is not None else DEFAULT_URL)
+            self.engine = create_engine(
+                db if db is not None else DEFAULT_URL,
+                schema=schema,
+                create_file=auto_migrate is not False,
+            )
             self._owns_engine = True
         _CONFIGURED.add(self.engine)
         try:
@@ -270,6 +287,7 @@ class Outbox(AsyncMethods, TransactionMethods):
                     ordering_key=ordering_key,
                     now_ms=now,
                     traceparent=traceparent,
+                    policy=self._endpoints[args.endpoint].policy_snapshot(),
                 )
                 for op_id, tenant, ordering_key, args in checked
             ],
@@ -349,6 +367,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             first_attempt_at_ms=None,
             window_started_at_ms=None,
             version=0,
+            policy=self._endpoints[args.endpoint].policy_snapshot(),
         )
 
     def _insert_checked(
@@ -363,6 +382,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             ordering_key=ordering_key,
             now_ms=now,
             traceparent=self._traceparent(),
+            policy=self._endpoints[args.endpoint].policy_snapshot(),
         )
         if inserted.created:
             return self._new_operation(
@@ -478,6 +498,8 @@ class Outbox(AsyncMethods, TransactionMethods):
     # -- dispatch -----------------------------------------------------------------
 
     def dispatcher(self, settings: DispatcherSettings | None = None) -> Dispatcher:
+        from outbox.dispatch import Dispatcher
+
         return Dispatcher(
             store=self.store,
             endpoints=self._endpoints,
@@ -496,18 +518,35 @@ class Outbox(AsyncMethods, TransactionMethods):
         return asyncio.run(self.dispatch_once_async())
 
     async def run_dispatcher_async(
-        self, *, concurrency: int | None = None, stop: asyncio.Event | None = None
+        self,
+        *,
+        concurrency: int | None = None,
+        stop: asyncio.Event | None = None,
+        until_empty: bool = False,
+        on_progress: Callable[[DispatchSummary], None] | None = None,
     ) -> DispatchSummary:
-        """Dispatch until ``stop`` is set. Requests in flight finish before it returns."""
+        """Dispatch until ``stop`` is set (or, with ``until_empty``, until nothing is due
+        and nothing is in flight). Requests in flight finish before it returns."""
         settings = self.dispatcher_settings
         if concurrency is not None:
             settings = dataclasses.replace(settings, concurrency=concurrency)
-        return await self.dispatcher(settings).run(stop)
+        return await self.dispatcher(settings).run(
+            stop, until_empty=until_empty, on_progress=on_progress
+        )
 
     def run_dispatcher(
-        self, *, concurrency: int | None = None, stop: threading.Event | None = None
+        self,
+        *,
+        concurrency: int | None = None,
+        stop: threading.Event | None = None,
+        until_empty: bool = False,
+        on_progress: Callable[[DispatchSummary], None] | None = None,
     ) -> DispatchSummary:
-        """Dispatch until SIGTERM or SIGINT (or ``stop`` is set), then drain and return."""
+        """Dispatch until SIGTERM or SIGINT (or ``stop`` is set), then drain and return.
+
+        ``until_empty``: return once nothing is due and nothing is in flight (for cron
+        and batch jobs); retries scheduled for later stay pending for the next run.
+        """
 
         async def main() -> DispatchSummary:
             loop = asyncio.get_running_loop()
@@ -521,7 +560,12 @@ class Outbox(AsyncMethods, TransactionMethods):
             if stop is not None:
                 watcher = asyncio.create_task(_watch(stop, stopping))
             try:
-                return await self.run_dispatcher_async(concurrency=concurrency, stop=stopping)
+                return await self.run_dispatcher_async(
+                    concurrency=concurrency,
+                    stop=stopping,
+                    until_empty=until_empty,
+                    on_progress=on_progress,
+                )
             finally:
                 for sig in installed:
                     loop.remove_signal_handler(sig)

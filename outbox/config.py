@@ -14,12 +14,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import urlsplit
 
-import httpx
-from tenacity import wait_exponential, wait_random_exponential
-
 from outbox.errors import ConfigurationError
+from outbox.model import PolicySnapshot
 
 if TYPE_CHECKING:
+    # Annotations only: reading an outbox (the operator's commands) never needs httpx.
+    import httpx
+
     from outbox.classify import Classification
     from outbox.lookup import StatusLookup
 
@@ -37,11 +38,15 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 def _default_wait() -> WaitStrategy:
+    from tenacity import wait_random_exponential
+
     # "Full jitter": a uniformly random wait between 0 and an exponentially growing cap.
     return wait_random_exponential(multiplier=0.5, max=60)
 
 
 def _default_in_progress_wait() -> WaitStrategy:
+    from tenacity import wait_exponential, wait_random_exponential
+
     # 2^(n-1) s plus up to as much again of jitter: 1-2 s, 2-4 s, 4-8 s, ... capped at
     # 60-120 s. Never below one second, always growing: a receiver that holds a key never
     # sees a stream of requests.
@@ -266,6 +271,16 @@ class Endpoint:
         if self.key_retention_margin is not None:
             return self.key_retention_margin
         return min(timedelta(minutes=5), self.key_retention / 10)
+
+    def policy_snapshot(self) -> PolicySnapshot:
+        """What an operation row keeps of this endpoint's policy (see PolicySnapshot)."""
+        return PolicySnapshot(
+            window_ms=self.retry.window_ms,
+            key_retention_ms=int(self.key_retention.total_seconds() * 1000),
+            margin_ms=int(self.margin.total_seconds() * 1000),
+            max_attempts=self.retry.max_attempts,
+            in_progress_budget=self.retry.in_progress_budget,
+        )
 
     @property
     def origin(self) -> str:

@@ -188,9 +188,16 @@ class Dispatcher:
     # -- the loop -----------------------------------------------------------------
 
     async def run(
-        self, stop: asyncio.Event | None = None, *, once: bool = False
+        self,
+        stop: asyncio.Event | None = None,
+        *,
+        once: bool = False,
+        until_empty: bool = False,
+        on_progress: Callable[[DispatchSummary], None] | None = None,
     ) -> DispatchSummary:
-        """Dispatch until ``stop`` is set (or one batch, with ``once``)."""
+        """Dispatch until ``stop`` is set (or one batch, with ``once``; or, with
+        ``until_empty``, until nothing is due and nothing is in flight: retries scheduled
+        for later stay pending). ``on_progress`` gets the summary after each claim."""
         stop = stop or asyncio.Event()
         try:
             await self._run_db(self.store.preflight)
@@ -241,9 +248,18 @@ class Dispatcher:
                     task = asyncio.create_task(self._attempt(work))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
+                if on_progress is not None:
+                    on_progress(self.summary)
                 if once:
                     break
                 if self._claimed_none:
+                    if until_empty:
+                        if self._inflight == 0:
+                            break  # nothing due, every outcome written
+                        # Outcomes still to come may make something due again.
+                        self._capacity.clear()
+                        await _wait_any(self._capacity, stop, timeout=1.0)
+                        continue
                     await self.wakeup.wait(stop)
         finally:
             await self.wakeup.close()
@@ -266,6 +282,22 @@ class Dispatcher:
             self._db.shutdown(wait=True)
             self._log.info("dispatcher_stopped", **self.summary.as_dict())
         return self.summary
+
+    async def _snapshot_policies(self, claimed: list[Claimed]) -> None:
+        """Rows enqueued before policy snapshots get this endpoint's policy now, so
+        operator tools can judge them without the application."""
+        missing = {
+            c.pk: self.endpoints[c.endpoint].policy_snapshot()
+            for c in claimed
+            if c.policy_window_ms is None and c.endpoint in self.endpoints
+        }
+        if not missing:
+            return
+        try:
+            await self._run_db(self.store.snapshot_policies, policies=missing)
+        except (StoreError, DBAPIError) as exc:
+            # Only the operator's view loses: the next claim tries again.
+            self._log.warning("policy_snapshot_failed", error=type(exc).__name__)
 
     async def _claim_and_start(self, limit: int) -> list[_Work]:
         token = str(uuid.uuid4())
@@ -297,6 +329,7 @@ class Dispatcher:
                 previous_dispatcher=rec.dispatcher_id,
             )
         await failpoints.hit("after_claim")
+        await self._snapshot_policies(claimed)
 
         to_send: dict[int, str] = {}
         settlements: list[Settlement] = []

@@ -57,6 +57,11 @@ class OperatorActionRefused(OutboxError):
 class ConcurrentModification(OperatorActionRefused):
     """The operation changed between reading it and acting on it; nothing was written."""
 
+    def __init__(self, message: str, *, tenant: str = "", operation_id: str = "") -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.operation_id = operation_id
+
 
 class StoreError(OutboxError):
     """The database failed; the write in progress did not happen."""
@@ -67,4 +72,12 @@ class NotStoredError(StoreError):
 
 
 class SchemaError(StoreError):
-    """The database schema is missing or not at the version this code expects."""
+    """The database schema is missing or not at the version this code expects.
+
+    ``missing`` is true when there is no outbox schema at all (or, on SQLite, no file);
+    ``outbox migrate`` creates it.
+    """
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing

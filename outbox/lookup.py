@@ -30,6 +30,7 @@ import json
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -570,6 +571,9 @@ def probe_all(
     endpoint: str | None = None,
     tenant: str | None = None,
     limit: int | None = None,
+    reason: Reason | str | None = None,
+    older_than: timedelta | None = None,
+    newer_than: timedelta | None = None,
 ) -> list[ProbeOutcome]:
     """Probe every unresolved operation (optionally of one endpoint or tenant), oldest
     first. Operations that cannot be looked up, or that change meanwhile, are reported
@@ -582,7 +586,15 @@ def probe_all(
     ops: list[Operation] = []
     page = 500
     while limit is None or len(ops) < limit:
-        batch = rec.list(endpoint=endpoint, tenant=tenant, limit=page, offset=len(ops))
+        batch = rec.list(
+            endpoint=endpoint,
+            tenant=tenant,
+            reason=reason,
+            older_than=older_than,
+            newer_than=newer_than,
+            limit=page,
+            offset=len(ops),
+        )
         ops.extend(batch)
         if len(batch) < page:
             break

@@ -212,6 +212,28 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicySnapshot:
+    """The retry policy an operation lives under, stored on its row.
+
+    Taken from the endpoint at enqueue (or, for rows older than the snapshot, when a
+    dispatcher first claims them), so operator tools can judge a requeue from the
+    database alone, without the application's code or secrets.
+    """
+
+    window_ms: int
+    key_retention_ms: int
+    margin_ms: int
+    max_attempts: int
+    in_progress_budget: int
+
+    @property
+    def sendable_ms(self) -> int:
+        """How long after the first attempt a request may still be sent: the key
+        retention less the margin kept before the receiver forgets the key."""
+        return self.key_retention_ms - self.margin_ms
+
+
+@dataclass(frozen=True, slots=True)
 class Operation:
     """A stored intent to call a remote API, as the store sees it now."""
 
@@ -240,6 +262,8 @@ class Operation:
     attempts_in_progress: int = 0
     #: Why no dispatcher can send it now (an endpoint none registered), or None.
     last_error: str | None = None
+    #: The policy snapshot; None when unknown (enqueued before snapshots, never claimed).
+    policy: PolicySnapshot | None = None
 
     @property
     def is_settled(self) -> bool:

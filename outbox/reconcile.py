@@ -11,12 +11,13 @@ import builtins
 import getpass
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from outbox import lookup
 from outbox.canonical import check_operation_id, check_tenant
+from outbox.durations import parse_duration
 from outbox.errors import (
     ConcurrentModification,
     OperationNotFound,
@@ -29,6 +30,7 @@ from outbox.model import (
     Delivery,
     ErrorClass,
     Operation,
+    PolicySnapshot,
     Reason,
     State,
     Verdict,
@@ -38,19 +40,34 @@ from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store.base import AuditRecord
 
 if TYPE_CHECKING:
+    from outbox import lookup
     from outbox.client import Outbox
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+__all__ = [
+    "OperationReport",
+    "Plan",
+    "Reconciler",
+    "Refusal",
+    "RequeueRisk",
+    "StatusReport",
+    "attempt_dict",
+    "audit_dict",
+    "describe_attempt",
+    "explain",
+    "operation_dict",
+    "parse_duration",
+]
+
+#: What ``--accept-duplicate-risk`` does, said wherever a requeue is refused for it.
+ACCEPT_RISK_EFFECT = (
+    "--accept-duplicate-risk requeues it anyway and restarts the key's life: the next "
+    "attempt counts as the first, with a new retry window and key retention from then "
+    "on. If the receiver applied an earlier attempt and has forgotten the key, that "
+    "resend may cause a second effect (a second charge, a second order). Use it only "
+    "after checking with the receiver that the operation was not applied"
+)
+
 _MAX_NOTE = 2000
-
-
-def parse_duration(text: str) -> timedelta:
-    """``30d``, ``12h``, ``90m``, ``45s``, ``2w``."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ValidationError(f"duration must look like 30d, 12h, 90m or 45s; got {text!r}")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def default_operator() -> str:
@@ -179,8 +196,33 @@ def explain(op: Operation) -> str:
 @dataclass(frozen=True)
 class RequeueRisk:
     key_expires_at_ms: int | None
-    key_retention_passed: bool | None  #: None when the endpoint is not registered here
+    key_retention_passed: bool | None  #: None when the operation's policy is unknown
     note: str
+    #: Where the policy came from: "snapshot" (stored on the row), "endpoint" (the
+    #: application's registered endpoint, for rows older than snapshots) or "unknown".
+    policy_source: str = "snapshot"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An operator action checked against the operation as read, not yet applied."""
+
+    action: Action
+    to_state: State
+    values: dict[str, Any]
+    details: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an action does not apply: ``why`` is short and the same for alike cases (bulk
+    summaries count by it); ``message`` names the operation and says what to do."""
+
+    why: str
+    message: str
+
+    def error(self) -> OperatorActionRefused:
+        return OperatorActionRefused(self.message)
 
 
 @dataclass(frozen=True)
@@ -203,6 +245,7 @@ class OperationReport:
                 "key_expires_at": _iso(self.requeue_risk.key_expires_at_ms),
                 "key_retention_passed": self.requeue_risk.key_retention_passed,
                 "note": self.requeue_risk.note,
+                "policy_source": self.requeue_risk.policy_source,
             },
             "attempts": [attempt_dict(a) for a in op.attempts],
             "audit": [audit_dict(r) for r in self.audit],
@@ -318,6 +361,13 @@ class Reconciler:
 
     # -- reads --------------------------------------------------------------------
 
+    def cutoff_ms(self, age: timedelta | None) -> int | None:
+        if age is None:
+            return None
+        if age < timedelta(0):
+            raise ValidationError("a duration filter must not be negative")
+        return self.outbox.clock.now_ms() - int(age.total_seconds() * 1000)
+
     def list(
         self,
         *,
@@ -325,23 +375,42 @@ class Reconciler:
         endpoint: str | None = None,
         reason: Reason | str | None = None,
         older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
         limit: int = 50,
         offset: int = 0,
-    ) -> list[Operation]:
-        """Unresolved operations, oldest first, filtered and paged."""
+    ) -> builtins.list[Operation]:
+        """Unresolved operations, oldest first, filtered and paged. ``older_than`` and
+        ``newer_than`` are ages of the last change (how long it has been unresolved)."""
         if limit < 1 or offset < 0:
             raise ValidationError("limit must be >= 1 and offset >= 0")
-        cutoff = None
-        if older_than is not None:
-            cutoff = self.outbox.clock.now_ms() - int(older_than.total_seconds() * 1000)
         return self.store.list_operations(
             states=[State.UNRESOLVED],
             tenant=tenant,
             endpoint=endpoint,
             reason=Reason(reason) if reason is not None else None,
-            older_than_ms=cutoff,
+            older_than_ms=self.cutoff_ms(older_than),
+            newer_than_ms=self.cutoff_ms(newer_than),
             limit=limit,
             offset=offset,
+        )
+
+    def count(
+        self,
+        *,
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | str | None = None,
+        older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
+    ) -> int:
+        """How many unresolved operations match (what :meth:`list` pages through)."""
+        return self.store.count_operations(
+            states=[State.UNRESOLVED],
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=Reason(reason) if reason is not None else None,
+            older_than_ms=self.cutoff_ms(older_than),
+            newer_than_ms=self.cutoff_ms(newer_than),
         )
 
     def show(self, operation_id: str, *, tenant: str = "") -> OperationReport:
@@ -354,25 +423,42 @@ class Reconciler:
             blocked_by=self.store.blocking_predecessor(op) if op.state is State.PENDING else None,
         )
 
-    def requeue_risk(self, op: Operation) -> RequeueRisk:
+    def policy_of(self, op: Operation) -> tuple[PolicySnapshot | None, str]:
+        """The policy the operation lives under and where it came from: the row's
+        snapshot, else the registered endpoint's (``--app``), else unknown."""
+        if op.policy is not None:
+            return op.policy, "snapshot"
         endpoint = self.outbox.endpoints.get(op.endpoint)
+        if endpoint is not None:
+            return endpoint.policy_snapshot(), "endpoint"
+        return None, "unknown"
+
+    def requeue_risk(self, op: Operation) -> RequeueRisk:
+        """Whether the receiver may have forgotten the key, from the database alone
+        (the policy snapshot); the application is needed only for rows older than it."""
+        policy, source = self.policy_of(op)
         if op.first_attempt_at_ms is None:
-            return RequeueRisk(None, False, "no attempt was ever sent: requeue is safe")
-        if endpoint is None:
+            return RequeueRisk(None, False, "no attempt was ever sent: requeue is safe", source)
+        expires = None
+        if policy is not None:
+            expires = op.first_attempt_at_ms + policy.key_retention_ms
+        if op.attempts and all(a.delivery is Delivery.NOT_SENT for a in op.attempts):
+            return RequeueRisk(
+                expires, False, "no attempt ever left this machine: requeue is safe", source
+            )
+        if policy is None:
             return RequeueRisk(
                 None,
                 None,
-                f"endpoint {op.endpoint!r} is not registered here (pass --app): the key's "
-                "retention is unknown, so requeue needs --accept-duplicate-risk",
+                f"the retry policy of {op.operation_id!r} is unknown (it was enqueued before "
+                "outbox kept a policy snapshot and no dispatcher has claimed it since), so "
+                "the receiver's key retention is unknown; --app naming an application that "
+                f"registers endpoint {op.endpoint!r} supplies it",
+                source,
             )
-        expires = op.first_attempt_at_ms + int(endpoint.key_retention.total_seconds() * 1000)
-        if op.attempts and all(a.delivery is Delivery.NOT_SENT for a in op.attempts):
-            return RequeueRisk(expires, False, "no attempt ever left this machine: requeue is safe")
         # The dispatcher stops sending a margin before the receiver forgets the key; past
         # that point a requeue without accepting the risk would send nothing.
-        usable = endpoint.key_retention - endpoint.margin
-        sendable_until = op.first_attempt_at_ms + int(usable.total_seconds() * 1000)
-        passed = self.outbox.clock.now_ms() >= sendable_until
+        passed = self.outbox.clock.now_ms() >= op.first_attempt_at_ms + policy.sendable_ms
         if passed:
             note = (
                 "the receiver's key retention has passed since the first attempt: a resend "
@@ -383,7 +469,7 @@ class Reconciler:
                 "the receiver still remembers the key: a resend under it replays the "
                 "original result if the first attempt was applied"
             )
-        return RequeueRisk(expires, passed, note)
+        return RequeueRisk(expires, passed, note, source)
 
     def status(
         self,
@@ -409,7 +495,10 @@ class Reconciler:
         oldest = self.store.oldest_pending_created_ms()
         age = (now - oldest) / 1000 if oldest is not None else None
         reasons = self.store.reason_counts()
-        near = 0
+        # Rows with a policy snapshot need no application; older rows are counted by the
+        # registered endpoints' policies (with --app).
+        within_ms = int(near_expiry.total_seconds() * 1000)
+        near = self.store.keys_near_expiry_by_snapshot(now + within_ms)
         for name, endpoint in self.outbox.endpoints.items():
             retention_ms = int((endpoint.key_retention - near_expiry).total_seconds() * 1000)
             near += self.store.keys_near_expiry(name, now - retention_ms)
@@ -452,15 +541,161 @@ class Reconciler:
 
     def probe(self, operation_id: str, *, tenant: str = "") -> lookup.ProbeOutcome:
         """Ask the receiver (the endpoint's status_lookup) and settle a definitive answer."""
+        from outbox import lookup
+
         return lookup.probe(self.outbox, operation_id, tenant=tenant)
 
     def probe_all(
-        self, *, endpoint: str | None = None, tenant: str | None = None
+        self,
+        *,
+        endpoint: str | None = None,
+        tenant: str | None = None,
+        reason: Reason | str | None = None,
+        older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
     ) -> builtins.list[lookup.ProbeOutcome]:
         """:meth:`probe` every unresolved operation (optionally filtered)."""
-        return lookup.probe_all(self.outbox, endpoint=endpoint, tenant=tenant)
+        from outbox import lookup
+
+        return lookup.probe_all(
+            self.outbox,
+            endpoint=endpoint,
+            tenant=tenant,
+            reason=reason,
+            older_than=older_than,
+            newer_than=newer_than,
+        )
 
     # -- actions ------------------------------------------------------------------
+
+    def apply(self, op: Operation, plan: Plan, *, note: str, operator: str | None) -> Operation:
+        """Apply a plan to the operation as it was read: only if its version is still the
+        one read (else :class:`ConcurrentModification`), with its audit row, in one
+        transaction."""
+        note = _check_note(note)
+        actor = _check_actor(operator or default_operator())
+        now = self.outbox.clock.now_ms()
+        ok = self.store.transition_by_operator(
+            pk=op.pk,
+            expected_version=op.version,
+            from_state=op.state,
+            values={**plan.values, "state": plan.to_state.value, "updated_at": now},
+            audit_row={
+                "tenant": op.tenant,
+                "operation_id": op.operation_id,
+                "actor": actor,
+                "action": plan.action.value,
+                "from_state": op.state.value,
+                "to_state": plan.to_state.value,
+                "note": note,
+                "details": json.dumps(plan.details, sort_keys=True) if plan.details else None,
+                "at": now,
+            },
+        )
+        if not ok:
+            raise ConcurrentModification(
+                f"operation {op.operation_id!r} changed while you acted on it (someone else "
+                "resolved, requeued or a dispatcher claimed it); nothing was written. "
+                "Run `outbox reconcile show` again.",
+                tenant=op.tenant,
+                operation_id=op.operation_id,
+            )
+        return self._load(op.operation_id, op.tenant)
+
+    @staticmethod
+    def _not_in(op: Operation, expected: State, verb: str) -> Refusal:
+        return Refusal(
+            f"is {op.state.value}",
+            f"operation {op.operation_id!r} is {op.state.value}, not {expected.value}; only "
+            f"operations in the reconciliation queue can be {verb}",
+        )
+
+    def plan_resolve(self, op: Operation, outcome: State | str) -> Plan | Refusal:
+        """Settling ``op`` as succeeded or failed, or why it does not apply."""
+        target = State(outcome)
+        if target not in (State.SUCCEEDED, State.FAILED):
+            raise ValidationError("resolve takes --as succeeded or --as failed")
+        if op.state is not State.UNRESOLVED:
+            return self._not_in(op, State.UNRESOLVED, "resolved")
+        return Plan(
+            action=Action.RESOLVE,
+            to_state=target,
+            values={"finished_at": self.outbox.clock.now_ms(), "next_attempt_at": None},
+            details={"reason": op.reason.value if op.reason else None},
+        )
+
+    def plan_requeue(self, op: Operation, *, accept_duplicate_risk: bool = False) -> Plan | Refusal:
+        """Requeueing ``op`` (which needs its attempts), or why it does not apply."""
+        if op.state is not State.UNRESOLVED:
+            return self._not_in(op, State.UNRESOLVED, "requeued")
+        risk = self.requeue_risk(op)
+        risky = risk.key_retention_passed is not False and op.first_attempt_at_ms is not None
+        if risky and not accept_duplicate_risk:
+            why = "policy unknown" if risk.key_retention_passed is None else "key retention passed"
+            return Refusal(
+                f"{why}: needs --accept-duplicate-risk",
+                f"refusing to requeue {op.operation_id!r}: {risk.note}. {ACCEPT_RISK_EFFECT}",
+            )
+        values: dict[str, Any] = {
+            "reason": None,
+            "next_attempt_at": self.outbox.clock.now_ms(),
+            "window_started_at": None,
+            "attempts_counted": 0,
+            "attempts_in_progress": 0,
+            "last_error": None,
+            "finished_at": None,
+        }
+        never_sent = all(a.delivery is Delivery.NOT_SENT for a in op.attempts)
+        if (risky and accept_duplicate_risk) or never_sent:
+            # The receiver has forgotten the key, or never saw it: the key's life (and so
+            # the key-retention bound on the window) starts again with the next attempt.
+            values["first_attempt_at"] = None
+        return Plan(
+            action=Action.REQUEUE,
+            to_state=State.PENDING,
+            values=values,
+            details={
+                "reason": op.reason.value if op.reason else None,
+                "accept_duplicate_risk": accept_duplicate_risk,
+                "policy_source": risk.policy_source,
+            },
+        )
+
+    def plan_cancel(self, op: Operation) -> Plan | Refusal:
+        """Cancelling ``op`` (which needs its attempts), or why it does not apply."""
+        if op.state is not State.PENDING:
+            return Refusal(
+                f"is {op.state.value}",
+                f"operation {op.operation_id!r} is {op.state.value}; only pending operations "
+                "can be cancelled (unresolved ones are resolved as failed instead)",
+            )
+        if any(a.delivery is not Delivery.NOT_SENT for a in op.attempts):
+            return Refusal(
+                "an attempt may have reached the receiver",
+                f"operation {op.operation_id!r} has an attempt that may have reached the "
+                "receiver; it cannot be cancelled",
+            )
+        return Plan(
+            action=Action.CANCEL,
+            to_state=State.CANCELLED,
+            values={"next_attempt_at": None, "finished_at": self.outbox.clock.now_ms()},
+            details={},
+        )
+
+    def _carry_out(
+        self, op: Operation, plan: Plan | Refusal, *, note: str, operator: str | None
+    ) -> Operation:
+        if isinstance(plan, Refusal):
+            raise plan.error()
+        return self._act(
+            op,
+            action=plan.action,
+            to_state=plan.to_state,
+            values=plan.values,
+            note=note,
+            operator=operator,
+            details=plan.details,
+        )
 
     def _act(
         self,
@@ -473,33 +708,10 @@ class Reconciler:
         operator: str | None,
         details: dict[str, Any] | None = None,
     ) -> Operation:
-        note = _check_note(note)
-        actor = _check_actor(operator or default_operator())
-        now = self.outbox.clock.now_ms()
-        ok = self.store.transition_by_operator(
-            pk=op.pk,
-            expected_version=op.version,
-            from_state=op.state,
-            values={**values, "state": to_state.value, "updated_at": now},
-            audit_row={
-                "tenant": op.tenant,
-                "operation_id": op.operation_id,
-                "actor": actor,
-                "action": action.value,
-                "from_state": op.state.value,
-                "to_state": to_state.value,
-                "note": note,
-                "details": json.dumps(details, sort_keys=True) if details else None,
-                "at": now,
-            },
-        )
-        if not ok:
-            raise ConcurrentModification(
-                f"operation {op.operation_id!r} changed while you acted on it (someone else "
-                "resolved, requeued or a dispatcher claimed it); nothing was written. "
-                "Run `outbox reconcile show` again."
-            )
-        return self._load(op.operation_id, op.tenant)
+        """The single actions' write: a hook subclasses override (the console's guarded,
+        dry-run reconciler)."""
+        plan = Plan(action=action, to_state=to_state, values=values, details=details or {})
+        return self.apply(op, plan, note=note, operator=operator)
 
     def resolve(
         self,
@@ -512,24 +724,12 @@ class Reconciler:
         details: dict[str, Any] | None = None,
     ) -> Operation:
         """Settle an unresolved operation as succeeded or failed, with a note."""
-        target = State(outcome)
-        if target not in (State.SUCCEEDED, State.FAILED):
-            raise ValidationError("resolve takes --as succeeded or --as failed")
+        State(outcome)  # a bad outcome is a usage error before the lookup
         op = self._load(operation_id, tenant)
-        if op.state is not State.UNRESOLVED:
-            raise OperatorActionRefused(
-                f"operation {operation_id!r} is {op.state.value}, not unresolved; only "
-                "operations in the reconciliation queue can be resolved"
-            )
-        return self._act(
-            op,
-            action=Action.RESOLVE,
-            to_state=target,
-            values={"finished_at": self.outbox.clock.now_ms(), "next_attempt_at": None},
-            note=note,
-            operator=operator,
-            details={"reason": op.reason.value if op.reason else None, **(details or {})},
-        )
+        plan = self.plan_resolve(op, outcome)
+        if isinstance(plan, Plan) and details:
+            plan = Plan(plan.action, plan.to_state, plan.values, {**plan.details, **details})
+        return self._carry_out(op, plan, note=note, operator=operator)
 
     def requeue(
         self,
@@ -540,78 +740,39 @@ class Reconciler:
         operator: str | None = None,
         accept_duplicate_risk: bool = False,
     ) -> Operation:
-        """Send an unresolved operation again under the same operation ID, in a new window."""
+        """Send an unresolved operation again under the same operation ID, in a new window.
+
+        Refused (:class:`OperatorActionRefused`) when the receiver may have forgotten the
+        key, judged from the policy stored on the row, unless ``accept_duplicate_risk``.
+        """
         op = self._load(operation_id, tenant)
-        if op.state is not State.UNRESOLVED:
-            raise OperatorActionRefused(
-                f"operation {operation_id!r} is {op.state.value}, not unresolved; only "
-                "operations in the reconciliation queue can be requeued"
-            )
-        risk = self.requeue_risk(op)
-        risky = risk.key_retention_passed is not False and op.first_attempt_at_ms is not None
-        if risky and not accept_duplicate_risk:
-            raise OperatorActionRefused(
-                f"refusing to requeue {operation_id!r}: {risk.note}. If you have checked "
-                "that the receiver did not apply it, pass --accept-duplicate-risk"
-            )
-        now = self.outbox.clock.now_ms()
-        values: dict[str, Any] = {
-            "reason": None,
-            "next_attempt_at": now,
-            "window_started_at": None,
-            "attempts_counted": 0,
-            "attempts_in_progress": 0,
-            "last_error": None,
-            "finished_at": None,
-        }
-        never_sent = all(a.delivery is Delivery.NOT_SENT for a in op.attempts)
-        if (risky and accept_duplicate_risk) or never_sent:
-            # The receiver has forgotten the key, or never saw it: the key's life (and so
-            # the key-retention bound on the window) starts again with the next attempt.
-            values["first_attempt_at"] = None
-        return self._act(
-            op,
-            action=Action.REQUEUE,
-            to_state=State.PENDING,
-            values=values,
-            note=note,
-            operator=operator,
-            details={
-                "reason": op.reason.value if op.reason else None,
-                "accept_duplicate_risk": accept_duplicate_risk,
-            },
-        )
+        plan = self.plan_requeue(op, accept_duplicate_risk=accept_duplicate_risk)
+        return self._carry_out(op, plan, note=note, operator=operator)
 
     def cancel(
         self, operation_id: str, *, tenant: str = "", note: str, operator: str | None = None
     ) -> Operation:
         """Cancel a pending operation no attempt of which may have reached the receiver."""
         op = self._load(operation_id, tenant)
-        if op.state is not State.PENDING:
-            raise OperatorActionRefused(
-                f"operation {operation_id!r} is {op.state.value}; only pending operations "
-                "can be cancelled (unresolved ones are resolved as failed instead)"
-            )
-        if any(a.delivery is not Delivery.NOT_SENT for a in op.attempts):
-            raise OperatorActionRefused(
-                f"operation {operation_id!r} has an attempt that may have reached the "
-                "receiver; it cannot be cancelled"
-            )
-        return self._act(
-            op,
-            action=Action.CANCEL,
-            to_state=State.CANCELLED,
-            values={"next_attempt_at": None, "finished_at": self.outbox.clock.now_ms()},
-            note=note,
-            operator=operator,
-        )
+        return self._carry_out(op, self.plan_cancel(op), note=note, operator=operator)
 
-    def purge(self, *, older_than: timedelta, operator: str | None = None) -> dict[str, int]:
-        """Delete terminal operations finished more than ``older_than`` ago."""
+    def purge(
+        self,
+        *,
+        older_than: timedelta,
+        operator: str | None = None,
+        dry_run: bool = False,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> dict[str, int]:
+        """Delete terminal operations finished more than ``older_than`` ago; with
+        ``dry_run``, only count them. Returns the count per state."""
         if older_than <= timedelta(0):
             raise ValidationError("--older-than must be positive")
         now = self.outbox.clock.now_ms()
-        removed = self.store.purge(finished_before_ms=now - int(older_than.total_seconds() * 1000))
+        cutoff = now - int(older_than.total_seconds() * 1000)
+        if dry_run:
+            return self.store.purgeable_counts(finished_before_ms=cutoff)
+        removed = self.store.purge(finished_before_ms=cutoff, on_batch=on_batch)
         if removed:
             self.store.record_audit(
                 {
@@ -627,6 +788,13 @@ class Reconciler:
                 }
             )
         return removed
+
+    def vacuum(self) -> tuple[int | None, int | None]:
+        """SQLite: give deleted rows' space back to the file system. Returns the bytes on
+        disk before and after; a :class:`StoreError` on PostgreSQL (autovacuum's job)."""
+        before = self.store.database_bytes()
+        self.store.vacuum()
+        return before, self.store.database_bytes()
 
 
 def _check_note(note: str) -> str:

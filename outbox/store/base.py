@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,6 +33,7 @@ from outbox.model import (
     Delivery,
     ErrorClass,
     Operation,
+    PolicySnapshot,
     Reason,
     Result,
     State,
@@ -164,6 +165,7 @@ class Store:
         ordering_key: str | None,
         now_ms: int,
         traceparent: str | None = None,
+        policy: PolicySnapshot | None = None,
     ) -> InsertResult:
         """Insert a pending operation, or find the one already stored under the key.
 
@@ -177,6 +179,7 @@ class Store:
             ordering_key=ordering_key,
             now_ms=now_ms,
             traceparent=traceparent,
+            policy=policy,
         )
         try:
             pk = conn.execute(self._insert_one, values).scalar()
@@ -616,18 +619,18 @@ class Store:
 
     # -- operators ----------------------------------------------------------------
 
-    def list_operations(
+    def _select_operations(
         self,
+        query: Any,
         *,
         states: Sequence[State],
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | None = None,
-        older_than_ms: int | None = None,
-        limit: int = 50,
-        offset: int = 0,
-    ) -> list[Operation]:
-        query = select(o).where(o.c.state.in_([s.value for s in states]))
+        tenant: str | None,
+        endpoint: str | None,
+        reason: Reason | None,
+        older_than_ms: int | None,
+        newer_than_ms: int | None,
+    ) -> Any:
+        query = query.where(o.c.state.in_([s.value for s in states]))
         if tenant is not None:
             query = query.where(o.c.tenant == tenant)
         if endpoint is not None:
@@ -636,9 +639,75 @@ class Store:
             query = query.where(o.c.reason == reason.value)
         if older_than_ms is not None:
             query = query.where(o.c.updated_at <= older_than_ms)
+        if newer_than_ms is not None:
+            query = query.where(o.c.updated_at >= newer_than_ms)
+        return query
+
+    def list_operations(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | None = None,
+        older_than_ms: int | None = None,
+        newer_than_ms: int | None = None,
+        limit: int | None = 50,
+        offset: int = 0,
+    ) -> list[Operation]:
+        """Operations in ``states`` matching the filters, oldest change first (no
+        attempts). ``older_than_ms``/``newer_than_ms`` bound ``updated_at``;
+        ``limit=None`` returns every match."""
+        query = self._select_operations(
+            select(o),
+            states=states,
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=reason,
+            older_than_ms=older_than_ms,
+            newer_than_ms=newer_than_ms,
+        )
         query = query.order_by(o.c.updated_at, o.c.id).limit(limit).offset(offset)
         with self.read() as conn:
             return [_operation(r, ()) for r in conn.execute(query)]
+
+    def count_operations(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | None = None,
+        older_than_ms: int | None = None,
+        newer_than_ms: int | None = None,
+    ) -> int:
+        """How many operations :meth:`list_operations` would return without a limit."""
+        query = self._select_operations(
+            select(func.count()).select_from(o),
+            states=states,
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=reason,
+            older_than_ms=older_than_ms,
+            newer_than_ms=newer_than_ms,
+        )
+        with self.read() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def snapshot_policies(self, policies: dict[int, PolicySnapshot]) -> int:
+        """Fill the policy snapshot of operations that have none (rows older than
+        snapshots); a snapshot already there is never overwritten."""
+        if not policies:
+            return 0
+        with self.write() as conn:
+            return sum(
+                conn.execute(
+                    update(o)
+                    .where(o.c.id == pk, o.c.policy_window_ms.is_(None))
+                    .values(policy_columns(policy))
+                ).rowcount
+                for pk, policy in policies.items()
+            )
 
     def transition_by_operator(
         self,
@@ -695,11 +764,39 @@ class Store:
             for r in rows
         ]
 
-    def purge(self, *, finished_before_ms: int, batch_size: int = 500) -> dict[str, int]:
+    def purgeable_counts(self, *, finished_before_ms: int) -> dict[str, int]:
+        """What :meth:`purge` would delete now, per state."""
+        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
+        with self.read() as conn:
+            return {
+                r.state: r.n
+                for r in conn.execute(
+                    select(o.c.state, func.count().label("n"))
+                    .where(o.c.state.in_(terminal), o.c.finished_at < finished_before_ms)
+                    .group_by(o.c.state)
+                )
+            }
+
+    def database_bytes(self) -> int | None:
+        """The database's size on disk, where the store can tell (SQLite)."""
+        return None
+
+    def vacuum(self) -> None:
+        """Give the space of deleted rows back to the file system (SQLite)."""
+        raise StoreError(f"vacuum is for SQLite; {self.dialect} reclaims space itself")
+
+    def purge(
+        self,
+        *,
+        finished_before_ms: int,
+        batch_size: int = 500,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> dict[str, int]:
         """Delete terminal operations finished before the cutoff, with their attempts.
 
         Unresolved, pending and in-flight operations are never touched. Works in
-        bounded batches so no transaction grows with the table.
+        bounded batches so no transaction grows with the table; ``on_batch`` is told
+        how many each batch deleted.
         """
         removed: dict[str, int] = {}
         terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
@@ -717,6 +814,8 @@ class Store:
                 conn.execute(delete(o).where(o.c.id.in_(ids), o.c.state.in_(terminal)))
             for r in batch:
                 removed[r.state] = removed.get(r.state, 0) + 1
+            if on_batch is not None:
+                on_batch(len(batch))
 
     def record_audit(self, row: dict[str, Any]) -> None:
         with self.write() as conn:
@@ -756,7 +855,26 @@ class Store:
                 ).scalar_one()
             )
 
+    def keys_near_expiry_by_snapshot(self, expiring_before_ms: int) -> int:
+        """Live, attempted operations whose key (by their policy snapshot) expires
+        before the given time."""
+        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        with self.read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(o)
+                    .where(
+                        o.c.state.in_(live),
+                        o.c.first_attempt_at.is_not(None),
+                        o.c.policy_key_retention_ms.is_not(None),
+                        o.c.first_attempt_at + o.c.policy_key_retention_ms <= expiring_before_ms,
+                    )
+                ).scalar_one()
+            )
+
     def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
+        """Like :meth:`keys_near_expiry_by_snapshot`, for rows without a snapshot."""
         live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
         with self.read() as conn:
             return int(
@@ -765,6 +883,7 @@ class Store:
                     .select_from(o)
                     .where(
                         o.c.endpoint == endpoint,
+                        o.c.policy_key_retention_ms.is_(None),
                         o.c.state.in_(live),
                         o.c.first_attempt_at.is_not(None),
                         o.c.first_attempt_at <= first_attempt_before_ms,
@@ -845,9 +964,11 @@ def operation_row(
     ordering_key: str | None,
     now_ms: int,
     traceparent: str | None = None,
+    policy: PolicySnapshot | None = None,
 ) -> dict[str, Any]:
     """The row of a new pending operation."""
     return {
+        **policy_columns(policy),
         "tenant": tenant,
         "operation_id": operation_id,
         "endpoint": args.endpoint,
@@ -868,6 +989,36 @@ def operation_row(
         "updated_at": now_ms,
         "traceparent": traceparent,
     }
+
+
+def policy_columns(policy: PolicySnapshot | None) -> dict[str, int | None]:
+    """The ``policy_*`` columns of a snapshot (all NULL: unknown)."""
+    return {
+        "policy_window_ms": policy.window_ms if policy else None,
+        "policy_key_retention_ms": policy.key_retention_ms if policy else None,
+        "policy_margin_ms": policy.margin_ms if policy else None,
+        "policy_max_attempts": policy.max_attempts if policy else None,
+        "policy_in_progress_budget": policy.in_progress_budget if policy else None,
+    }
+
+
+def _policy(r: Row[Any]) -> PolicySnapshot | None:
+    if (
+        r.policy_window_ms is None
+        or r.policy_key_retention_ms is None
+        or r.policy_margin_ms is None
+        or r.policy_max_attempts is None
+    ):
+        return None
+    return PolicySnapshot(
+        window_ms=r.policy_window_ms,
+        key_retention_ms=r.policy_key_retention_ms,
+        margin_ms=r.policy_margin_ms,
+        max_attempts=r.policy_max_attempts,
+        in_progress_budget=r.policy_in_progress_budget
+        if r.policy_in_progress_budget is not None
+        else 0,
+    )
 
 
 
@@ -926,7 +1077,8 @@ def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         attempts=history,
         attempts_in_progress=r.attempts_in_progress or 0,
         last_error=r.last_error,
+        policy=_policy(r),
     )
 
 
-__all__ = ["DUE", "AuditRecord", "InsertResult", "Store", "operation_row"]
+__all__ = ["DUE", "AuditRecord", "InsertResult", "Store", "operation_row", "policy_columns"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import weakref
 from pathlib import Path
@@ -12,7 +13,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
-from outbox.errors import ConfigurationError, StoreError
+from outbox.errors import ConfigurationError, SchemaError, StoreError
 from outbox.store import writelock
 
 if TYPE_CHECKING:
@@ -25,6 +26,25 @@ if TYPE_CHECKING:
 SQLITE_BUSY_TIMEOUT_MS = 5000
 
 DEFAULT_URL = "sqlite:///outbox.sqlite3"
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+#: The PostgreSQL schema each engine made here keeps the outbox tables in (None: the
+#: server's search_path, usually ``public``).
+_SCHEMAS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+
+
+def check_schema_name(schema: str) -> str:
+    """A PostgreSQL schema name outbox accepts: a plain identifier, 1-63 characters."""
+    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+        raise ConfigurationError(
+            f"schema must be a plain identifier (letters, digits, _; 1-63), got {schema!r}"
+        )
+    return schema
+
+
+def schema_of(engine: Engine) -> str | None:
+    """The schema given to :func:`create_engine` for this engine, if any."""
+    return _SCHEMAS.get(engine)
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -77,9 +97,20 @@ def check_private_file(path: Path) -> None:
         )
 
 
-def create_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> Engine:
+def create_engine(
+    url: str | URL = DEFAULT_URL,
+    *,
+    schema: str | None = None,
+    create_file: bool = True,
+    **kwargs: Any,
+) -> Engine:
     """An engine for outbox: SQLite with WAL, ``synchronous=FULL``, a busy timeout and
     ``BEGIN IMMEDIATE`` write transactions; PostgreSQL through psycopg 3.
+
+    ``schema`` (PostgreSQL only) keeps every outbox table, index and the migrations'
+    version table in that schema: each connection's ``search_path`` is set to it.
+    ``create_file=False`` refuses a SQLite file that does not exist instead of creating
+    it (and its directories): see :class:`~outbox.errors.SchemaError`.
 
     Applications that enqueue inside their own transactions on SQLite should use an
     engine made here (or configured alike), so their transactions take the write lock
@@ -88,11 +119,30 @@ def create_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> Engine:
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "postgresql":
         kwargs.setdefault("pool_pre_ping", True)
+        if schema is not None:
+            # Set at connect time by the server itself: no statement to run, nothing a
+            # pool reset can undo, and Alembic's DDL and version table follow it too.
+            connect_args = dict(kwargs.pop("connect_args", {}))
+            options = connect_args.get("options") or parsed.query.get("options") or ""
+            options = f"{options} -csearch_path={check_schema_name(schema)}".strip()
+            connect_args["options"] = options
+            kwargs["connect_args"] = connect_args
         engine = sa_create_engine(parsed, **kwargs)
+        if schema is not None:
+            _SCHEMAS[engine] = schema
     else:
+        if schema is not None:
+            raise ConfigurationError("a schema applies to PostgreSQL only, not to SQLite")
         path = sqlite_path(parsed)
         if path is not None and parsed.query.get("mode") != "ro":
-            create_private_file(path)
+            if create_file:
+                create_private_file(path)
+            elif not path.is_file():
+                raise SchemaError(
+                    f"no outbox database at {parsed.render_as_string(hide_password=True)}: "
+                    f"{path} does not exist",
+                    missing=True,
+                )
         engine = sa_create_engine(parsed, **kwargs)
         configure_sqlite(engine)
     _dispose_in_forked_children(engine)

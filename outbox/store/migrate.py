@@ -7,6 +7,7 @@ from pathlib import Path
 from sqlalchemy import Engine, inspect, text
 
 from outbox.errors import SchemaError
+from outbox.store.engine import schema_of
 
 VERSION_TABLE = "outbox_alembic_version"
 #: The newest revision this code expects.
@@ -49,6 +50,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     """Apply migrations up to ``revision`` (idempotent)."""
     from alembic import command
 
+    schema = schema_of(engine)
+    if schema is not None:
+        with engine.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
     with engine.begin() as conn:
         command.upgrade(_config(engine, conn), revision)  # type: ignore[arg-type]
 
@@ -69,7 +74,11 @@ def ensure_schema(engine: Engine, *, create: bool) -> None:
         upgrade(engine)
         return
     where = "is missing" if revision is None else f"is at revision {revision}, not {HEAD}"
+    schema = schema_of(engine)
+    place = engine.url.render_as_string(hide_password=True)
+    if schema is not None:
+        place += f" (schema {schema})"
     raise SchemaError(
-        f"the outbox schema {where} in {engine.url.render_as_string(hide_password=True)}; "
-        "run: outbox migrate --db URL"
+        f"the outbox schema {where} in {place}; run: outbox migrate --db URL",
+        missing=revision is None,
     )

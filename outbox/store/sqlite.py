@@ -77,6 +77,28 @@ class SqliteStore(Store):
         path = sqlite_path(self.engine.url)
         return changes.SqliteWatch(path, interval=interval) if path is not None else None
 
+    def database_bytes(self) -> int | None:
+        """The file's size plus its write-ahead log's."""
+        path = sqlite_path(self.engine.url)
+        if path is None:
+            return None
+        wal = path.with_name(path.name + "-wal")
+        return sum(p.stat().st_size for p in (path, wal) if p.exists())
+
+    def vacuum(self) -> None:
+        """VACUUM, then fold the write-ahead log back in so the file itself shrinks."""
+        with self.engine.connect() as conn:
+            # VACUUM cannot run inside a transaction: on the raw driver connection,
+            # whose isolation_level is None (autocommit; see configure_sqlite).
+            raw = conn.connection.dbapi_connection
+            assert raw is not None
+            cursor = raw.cursor()
+            try:
+                cursor.execute("VACUUM")
+                cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                cursor.close()
+
     def quick_check(self) -> str:
         with self.read() as conn:
             result = conn.exec_driver_sql("PRAGMA quick_check").scalar()

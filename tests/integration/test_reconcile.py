@@ -7,6 +7,7 @@ Every operation is brought to its state by a real receiver and real dispatches (
 from __future__ import annotations
 
 import getpass
+import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -27,6 +28,7 @@ from outbox import (
     ValidationError,
 )
 from outbox.reconcile import Reconciler
+from outbox.store.tables import operations
 from outbox.testing.receiver import Receiver
 from tests.integration import _reconcile_states as S
 from tests.integration._reconcile_states import (
@@ -192,7 +194,12 @@ def test_show_tells_the_story_of_each_unresolved_operation(shared: World) -> Non
         op = report.operation
         data = report.as_dict()
         assert set(data) == REPORT_KEYS
-        assert set(data["requeue_risk"]) == {"key_expires_at", "key_retention_passed", "note"}
+        assert set(data["requeue_risk"]) == {
+            "key_expires_at",
+            "key_retention_passed",
+            "note",
+            "policy_source",
+        }
         assert all(set(a) == ATTEMPT_KEYS for a in data["attempts"])
         assert data["state"] == "unresolved" and data["reason"] == ref.reason
         # Each attempt carries its own request ID; the operation ID never changes.
@@ -513,21 +520,71 @@ def test_requeue_after_key_retention_needs_accept_duplicate_risk(world: World) -
     assert world.receiver.effect_count(key=LOST.operation_id, tenant=LOST.tenant) == 1
 
 
-def test_requeue_without_a_registered_endpoint_needs_accept_duplicate_risk(
+def test_requeue_is_decided_from_the_policy_snapshot_without_the_application(
     world: World, db_url: str
 ) -> None:
-    with Outbox(db_url, clock=world.clock) as bare:  # no endpoints: retention unknown
+    endpoint = world.ob.endpoints["fragile"]
+    lost = _get(world, LOST)
+    assert lost.policy == endpoint.policy_snapshot()  # stored at enqueue
+    assert lost.first_attempt_at_ms is not None
+    with Outbox(db_url, clock=world.clock) as bare:  # no endpoints registered
         report = bare.reconcile.show(LOST.operation_id, tenant=LOST.tenant)
-        assert report.requeue_risk.key_retention_passed is None
-        assert "not registered here" in report.requeue_risk.note
+        assert report.requeue_risk.policy_source == "snapshot"
+        assert report.requeue_risk.key_retention_passed is False
+        assert report.requeue_risk.key_expires_at_ms == lost.first_attempt_at_ms + int(
+            RETENTION.total_seconds() * 1000
+        )
+        # Past retention less the margin, by the snapshot alone: refused, nothing written.
+        world.clock.advance((RETENTION - endpoint.margin).total_seconds())
         before = world.rows()
-        with pytest.raises(OperatorActionRefused, match="not registered here"):
+        with pytest.raises(OperatorActionRefused) as refused:
             bare.reconcile.requeue(LOST.operation_id, tenant=LOST.tenant, note="n")
+        message = str(refused.value)
+        assert "key retention has passed" in message
+        assert "restarts the key's life" in message
+        assert "second effect" in message
         assert world.rows() == before
         op = bare.reconcile.requeue(
             LOST.operation_id, tenant=LOST.tenant, note="n", accept_duplicate_risk=True
         )
         assert op.state is State.PENDING
+        assert op.first_attempt_at_ms is None  # the key's life starts again
+        (row,) = world.audit(LOST.operation_id)
+        assert json.loads(row["details"])["policy_source"] == "snapshot"
+
+
+def test_rows_without_a_snapshot_are_unknown_until_a_dispatcher_claims_them(
+    world: World, db_url: str
+) -> None:
+    # Rows enqueued before policy snapshots existed: the columns are NULL.
+    with world.ob.engine.begin() as conn:
+        conn.execute(
+            operations.update().values(
+                policy_window_ms=None,
+                policy_key_retention_ms=None,
+                policy_margin_ms=None,
+                policy_max_attempts=None,
+                policy_in_progress_budget=None,
+            )
+        )
+    with Outbox(db_url, clock=world.clock) as bare:
+        report = bare.reconcile.show(LOST.operation_id, tenant=LOST.tenant)
+        assert report.requeue_risk.policy_source == "unknown"
+        assert report.requeue_risk.key_retention_passed is None
+        assert "policy of 'op-lost' is unknown" in report.requeue_risk.note
+        before = world.rows()
+        with pytest.raises(OperatorActionRefused, match="--accept-duplicate-risk requeues it"):
+            bare.reconcile.requeue(LOST.operation_id, tenant=LOST.tenant, note="n")
+        assert world.rows() == before
+    # The application knows the endpoint: its policy stands in for the missing snapshot.
+    assert world.rec.show(LOST.operation_id, tenant=LOST.tenant).requeue_risk.policy_source == (
+        "endpoint"
+    )
+    # A dispatcher claiming an old row fills its snapshot in; the others stay unknown.
+    assert _get(world, WAIT).policy is None
+    world.ob.dispatch_once()
+    assert _get(world, WAIT).policy == world.ob.endpoints["inventory"].policy_snapshot()
+    assert _get(world, LOST).policy is None
 
 
 def test_requeue_inside_the_retention_margin_is_not_silently_ineffective(
