@@ -1,205 +1,168 @@
 """The ``outbox`` command: a thin shell over the library.
 
 Each command parses its options, makes one library call and renders the result as a
-table (default) or JSON (``--json``). Exit codes: 0 ok, 1 refused (wrong state,
-conflict, not found, a failed ``status --check``), 2 usage, 3 the database failed.
+table (default) or JSON (``--json``). Every failure is one line on stderr and a
+documented exit code (see :mod:`outbox.cli_support`); ``--debug`` adds the traceback.
+Read commands never create or migrate a database. Heavy modules (the dispatcher, httpx,
+aiohttp, Alembic, tenacity) are imported only by the commands that need them.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
-from outbox import logs
-from outbox.client import Outbox
-from outbox.errors import (
-    ConfigurationError,
-    OperationConflict,
-    OperationNotFound,
-    OperatorActionRefused,
-    OutboxError,
-    StoreError,
-    ValidationError,
+from outbox.cli_support import (
+    DB_ENVVARS,
+    DURATION,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    Context,
+    OutboxGroup,
+    command,
+    fail,
 )
+from outbox.errors import ConfigurationError
 from outbox.model import Reason, State
-from outbox.reconcile import (
-    OperationReport,
-    Reconciler,
-    attempt_dict,
-    operation_dict,
-    parse_duration,
-)
-from outbox.status import Watch
 
-F = TypeVar("F", bound=Callable[..., Any])
-EXIT_REFUSED, EXIT_USAGE, EXIT_STORE = 1, 2, 3
+if TYPE_CHECKING:
+    from outbox.bulk import BulkReport, Selection
+    from outbox.reconcile import OperationReport
+    from outbox.status import Watch
 
 out = Console(highlight=False, soft_wrap=True)
+err = Console(highlight=False, soft_wrap=True, stderr=True)
+
+_LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 
 
-class Context:
-    def __init__(self, db: str | None, app: str | None) -> None:
-        self.db = db
-        self.app = app
-        self._outbox: Outbox | None = None
-
-    def outbox(self) -> Outbox:
-        if self._outbox is None:
-            self._outbox = load_outbox(self.db, self.app)
-        return self._outbox
-
-    def close(self) -> None:
-        if self._outbox is not None:
-            self._outbox.close()
-
-
-def load_outbox(db: str | None, app: str | None) -> Outbox:
-    """The application's Outbox (``--app module:attr``) or one on ``--db``."""
-    if app:
-        module_name, _, attr = app.partition(":")
-        if not attr:
-            raise click.UsageError("--app takes module:attribute, e.g. myapp.jobs:outbox")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
-        target = getattr(module, attr)
-        ob = target() if callable(target) and not isinstance(target, Outbox) else target
-        if not isinstance(ob, Outbox):
-            raise click.UsageError(f"{app} is not an outbox.Outbox")
-        return ob
-    if not db:
-        raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL (or --app)")
-    return Outbox(db)
-
-
-def json_option(fn: F) -> F:
+def json_option(fn: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(fn)
-
-
-def tenant_option(fn: F) -> F:
-    return click.option(
-        "--tenant",
-        default="",
-        show_default=True,
-        help="The tenant (namespace) of the operation ID.",
-    )(fn)
 
 
 def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
-def _fail(code: int, message: str, exc: BaseException | None = None) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
-    cause = exc.__cause__ if exc is not None else None
-    while cause is not None:
-        click.echo(f"  caused by: {type(cause).__name__}: {cause}", err=True)
-        cause = cause.__cause__
-    sys.exit(code)
+def _reconciler(obj: Context) -> Any:
+    from outbox.reconcile import Reconciler
+
+    return Reconciler(obj.outbox())
 
 
-def run_guarded(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except (OperatorActionRefused, OperationNotFound, OperationConflict) as exc:
-        _fail(EXIT_REFUSED, str(exc), exc)
-    except (ValidationError, ConfigurationError) as exc:
-        _fail(EXIT_USAGE, str(exc), exc)
-    except StoreError as exc:
-        _fail(EXIT_STORE, str(exc), exc)
-    except OutboxError as exc:
-        _fail(EXIT_REFUSED, str(exc), exc)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", envvar="OUTBOX_DATABASE_URL", help="Database URL (or OUTBOX_DATABASE_URL).")
+@click.group(cls=OutboxGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--db", envvar=list(DB_ENVVARS), help="Database URL (or OUTBOX_DB).")
+@click.option(
+    "--schema",
+    envvar="OUTBOX_SCHEMA",
+    help="PostgreSQL schema holding the outbox tables (or OUTBOX_SCHEMA).",
+)
 @click.option(
     "--app",
     envvar="OUTBOX_APP",
     help="module:attr naming the application's Outbox (endpoints, credentials).",
 )
-@click.option("--log-level", default="info", show_default=True, help="debug, info, warning, error")
+@click.option(
+    "--log-level",
+    type=click.Choice(_LOG_LEVELS, case_sensitive=False),
+    default="info",
+    show_default=True,
+)
 @click.option(
     "--log-format",
     type=click.Choice(["auto", "json", "console"]),
     default="auto",
     show_default=True,
 )
+@click.option("--debug", is_flag=True, help="On failure, print the traceback too.")
 @click.version_option(package_name="outbox")
 @click.pass_context
 def main(
-    ctx: click.Context, db: str | None, app: str | None, log_level: str, log_format: str
+    ctx: click.Context,
+    db: str | None,
+    schema: str | None,
+    app: str | None,
+    log_level: str,
+    log_format: str,
+    debug: bool,
 ) -> None:
-    """A durable, client-side operation outbox for HTTP integrations."""
-    logs.configure(log_level, log_format)
+    """A durable, client-side operation outbox for HTTP integrations.
+
+    --db, --schema, --app and --debug may come before or after the command.
+    """
     # Piped or captured output: never cut IDs to an 80-column guess; operators copy them.
     out.width = None if sys.stdout.isatty() else 4096  # type: ignore[assignment]
-    ctx.obj = Context(db, app)
-    ctx.call_on_close(ctx.obj.close)
+    obj = ctx.ensure_object(Context)
+    obj.db, obj.schema, obj.app, obj.debug = db, schema, app, debug
+    obj.log_level, obj.log_format = log_level, log_format
+    if db is not None and ctx.get_parameter_source("db") is click.core.ParameterSource.ENVIRONMENT:
+        obj.db_env = next((name for name in DB_ENVVARS if os.environ.get(name)), None)
+    ctx.call_on_close(obj.close)
 
 
 # -- schema ---------------------------------------------------------------------------
 
 
-@main.command()
-@click.pass_obj
+@command(main)
 def migrate(obj: Context) -> None:
-    """Create or upgrade the outbox tables (Alembic migrations bundled with outbox)."""
+    """Create or upgrade the outbox tables (the only command that creates anything)."""
     from outbox.store.engine import create_engine
     from outbox.store.migrate import HEAD, current_revision, upgrade
 
-    def go() -> None:
-        url = obj.db or (obj.outbox().engine.url if obj.app else None)
-        if url is None:
-            raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL")
-        engine = create_engine(url)
-        try:
-            before = current_revision(engine)
-            upgrade(engine)
-            click.echo(f"outbox schema at revision {HEAD} (was {before or 'empty'})")
-        finally:
-            engine.dispose()
-
-    run_guarded(go)
+    if obj.db is None and obj.app:
+        url: Any = obj.outbox().engine.url
+    elif obj.db is None:
+        raise click.UsageError("name the database: --db URL (or set OUTBOX_DB)")
+    else:
+        url = obj.db
+    engine = create_engine(url, schema=obj.schema)
+    try:
+        before = current_revision(engine)
+        upgrade(engine)
+        where = f" in schema {obj.schema}" if obj.schema else ""
+        click.echo(f"outbox schema at revision {HEAD}{where} (was {before or 'empty'})")
+    finally:
+        engine.dispose()
 
 
 # -- reading ----------------------------------------------------------------------------
 
 
-@main.command()
+@command(main, reads=True)
 @json_option
 @click.option("--check", is_flag=True, help="Exit 1 if a threshold below is exceeded.")
 @click.option(
     "--max-unresolved",
-    type=int,
+    type=click.IntRange(0),
     default=0,
     show_default=True,
     help="With --check: reconciliation backlog allowed.",
 )
 @click.option(
     "--max-pending-age",
+    type=DURATION,
     default="1h",
     show_default=True,
     help="With --check: age of the oldest pending operation allowed.",
 )
 @click.option(
     "--max-near-expiry",
-    type=int,
+    type=click.IntRange(0),
     default=0,
     show_default=True,
     help="With --check: live operations allowed within an hour of key expiry.",
 )
 @click.option(
     "--dispatcher-timeout",
+    type=DURATION,
     default="30s",
     show_default=True,
     help="A dispatcher silent this long is listed as lost.",
@@ -211,65 +174,63 @@ def migrate(obj: Context) -> None:
     help="With --check: fail when work is due and no dispatcher was seen within the "
     "dispatcher timeout (turn off for dispatchers run as `dispatch --once`).",
 )
-@click.pass_obj
 def status(
     obj: Context,
     as_json: bool,
     check: bool,
     max_unresolved: int,
-    max_pending_age: str,
+    max_pending_age: timedelta,
     max_near_expiry: int,
-    dispatcher_timeout: str,
+    dispatcher_timeout: timedelta,
     dispatcher_check: bool,
 ) -> None:
     """Counts per state, backlog per endpoint, reconciliation backlog, dispatchers."""
+    report = _reconciler(obj).status(
+        max_unresolved=max_unresolved if check else None,
+        max_pending_age=max_pending_age if check else None,
+        max_near_expiry=max_near_expiry if check else None,
+        dispatcher_timeout=dispatcher_timeout,
+        require_dispatcher=check and dispatcher_check,
+        max_unsendable=0 if check else None,
+    )
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        from rich.table import Table
 
-    def go() -> None:
-        report = Reconciler(obj.outbox()).status(
-            max_unresolved=max_unresolved if check else None,
-            max_pending_age=parse_duration(max_pending_age) if check else None,
-            max_near_expiry=max_near_expiry if check else None,
-            dispatcher_timeout=parse_duration(dispatcher_timeout),
-            require_dispatcher=check and dispatcher_check,
-            max_unsendable=0 if check else None,
+        table = Table(title="outbox status")
+        table.add_column("state")
+        table.add_column("operations", justify="right")
+        for state, n in report.counts.items():
+            table.add_row(state, str(n))
+        out.print(table)
+        age = report.oldest_pending_age_seconds
+        out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()))
+        out.print(
+            f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
+            + (f" ({reasons})" if reasons else "")
         )
-        if as_json:
-            _emit_json(report.as_dict())
-        else:
-            table = Table(title="outbox status")
-            table.add_column("state")
-            table.add_column("operations", justify="right")
-            for state, n in report.counts.items():
-                table.add_row(state, str(n))
-            out.print(table)
-            age = report.oldest_pending_age_seconds
-            out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
-            reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()))
-            out.print(
-                f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
-                + (f" ({reasons})" if reasons else "")
-            )
-            out.print(f"attempts in the last hour: {report.attempts_last_hour}")
-            out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
-            if report.watch is not None:
-                _render_watch(report.watch)
-            for problem in report.problems:
-                out.print(f"PROBLEM: {problem}")
-        if check and report.problems:
-            sys.exit(EXIT_REFUSED)
-
-    run_guarded(go)
+        out.print(f"attempts in the last hour: {report.attempts_last_hour}")
+        out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
+        if report.watch is not None:
+            _render_watch(report.watch)
+        for problem in report.problems:
+            out.print(f"PROBLEM: {problem}")
+    if check and report.problems:
+        sys.exit(EXIT_REFUSED)
 
 
 def _render_watch(watch: Watch) -> None:
+    from rich.table import Table
+
     attempts = watch.attempts_dict()
     if attempts["total"]:
         parts = ", ".join(
             f"{o['delivery']}/{o['verdict']} {o['count']}" for o in attempts["by_outcome"]
         )
         out.print(
-            f"  by outcome: {parts}; {attempts['not_succeeded_ratio'] * 100:.1f}% "
-            "did not succeed",
+            f"  by outcome: {parts}; {attempts['not_succeeded_ratio'] * 100:.1f}% did not succeed",
             markup=False,
         )
     endpoints = watch.endpoints_dict()
@@ -309,6 +270,10 @@ def _render_watch(watch: Watch) -> None:
 
 
 def _render_report(report: OperationReport) -> None:
+    from rich.table import Table
+
+    from outbox.reconcile import attempt_dict
+
     op = report.operation
     out.print(f"[bold]{op.operation_id}[/bold]  tenant={op.tenant!r}  endpoint={op.endpoint}")
     out.print(f"state: {op.state.value}" + (f" ({op.reason.value})" if op.reason else ""))
@@ -354,7 +319,7 @@ def _render_report(report: OperationReport) -> None:
     for a in op.attempts:
         out.print(f"  - {attempt_dict(a)['description']}", markup=False)
     if op.state is State.UNRESOLVED:
-        out.print(f"requeue risk: {report.requeue_risk.note}")
+        out.print(f"requeue risk: {report.requeue_risk.note}", markup=False)
     if report.audit:
         out.print("audit:")
         for r in report.audit:
@@ -364,21 +329,17 @@ def _render_report(report: OperationReport) -> None:
 
 
 def _show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
-    def go() -> None:
-        report = Reconciler(obj.outbox()).show(operation_id, tenant=tenant)
-        if as_json:
-            _emit_json(report.as_dict())
-        else:
-            _render_report(report)
-
-    run_guarded(go)
+    report = _reconciler(obj).show(operation_id, tenant=tenant)
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        _render_report(report)
 
 
-@main.command()
+@command(main, reads=True)
 @click.argument("operation_id")
-@tenant_option
+@click.option("--tenant", default="", help="The tenant (namespace) of the operation ID.")
 @json_option
-@click.pass_obj
 def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
     """An operation's arguments, state and every attempt."""
     _show(obj, operation_id, tenant, as_json)
@@ -387,8 +348,13 @@ def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
 # -- dispatching --------------------------------------------------------------------------
 
 
-@main.command()
+@command(main)
 @click.option("--once", is_flag=True, help="Claim and send one batch, then exit.")
+@click.option(
+    "--until-empty",
+    is_flag=True,
+    help="Send what is due until nothing is, then exit (for cron and batch jobs).",
+)
 @click.option(
     "--concurrency",
     type=click.IntRange(1, 10_000),
@@ -409,10 +375,10 @@ def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
     help="Run N dispatcher processes under a supervisor (restarts, SIGTERM drains all).",
 )
 @json_option
-@click.pass_obj
 def dispatch(
     obj: Context,
     once: bool,
+    until_empty: bool,
     concurrency: int | None,
     metrics_port: int | None,
     metrics_host: str,
@@ -420,9 +386,13 @@ def dispatch(
     as_json: bool,
 ) -> None:
     """Run the dispatcher. SIGTERM or Ctrl-C: stop claiming, finish in-flight work, exit 0."""
+    if once and until_empty:
+        raise click.UsageError("--once and --until-empty exclude each other")
+    if not obj.app:
+        raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
     if processes is not None:
-        if once:
-            raise click.UsageError("--once and --processes do not go together")
+        if once or until_empty:
+            raise click.UsageError("--once or --until-empty and --processes do not go together")
         if metrics_port is not None:
             raise click.UsageError(
                 "--metrics-port and --processes do not go together: each process would "
@@ -430,78 +400,92 @@ def dispatch(
             )
         _supervise(obj, processes, concurrency, as_json)
         return
+    from outbox.supervise import catch_sigterm_early
 
-    def go() -> None:
-        from outbox.supervise import catch_sigterm_early
+    # Before loading the application: a SIGTERM during start-up stops us cleanly.
+    stop = None if once or until_empty else catch_sigterm_early()
+    ob = obj.outbox()
+    if not ob.endpoints:
+        raise click.UsageError(f"--app {obj.app} registers no endpoint: nothing can be sent")
+    server = None
+    if metrics_port is not None:
+        from outbox.metrics import serve
 
-        # Before loading the application: a SIGTERM during start-up stops us cleanly.
-        stop = None if once else catch_sigterm_early()
-        ob = obj.outbox()
-        if not ob.endpoints:
-            raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
-        server = None
-        if metrics_port is not None:
-            metrics = ob.metrics()
-            from outbox.metrics import serve
-
-            try:
-                server = serve(metrics, host=metrics_host, port=metrics_port)
-            except OSError as exc:
-                raise ConfigurationError(
-                    f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}"
-                ) from exc
         try:
-            summary = (
-                ob.dispatch_once()
-                if once
-                else ob.run_dispatcher(concurrency=concurrency, stop=stop)
-            )
-        finally:
-            if server is not None:
-                server.close()
-        if as_json:
-            _emit_json(summary.as_dict())
+            server = serve(ob.metrics(), host=metrics_host, port=metrics_port)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}"
+            ) from exc
+    try:
+        if once:
+            summary = ob.dispatch_once()
+        elif until_empty:
+            with _live_line() as show_progress:
+                summary = ob.run_dispatcher(
+                    concurrency=concurrency, until_empty=True, on_progress=show_progress
+                )
         else:
-            out.print(" ".join(f"{k}={v}" for k, v in summary.as_dict().items()))
-
-    run_guarded(go)
+            summary = ob.run_dispatcher(concurrency=concurrency, stop=stop)
+    finally:
+        if server is not None:
+            server.close()
+    if as_json:
+        _emit_json(summary.as_dict())
+    else:
+        out.print(" ".join(f"{k}={v}" for k, v in summary.as_dict().items()))
 
 
 def _supervise(obj: Context, processes: int, concurrency: int | None, as_json: bool) -> None:
     from outbox.supervise import Supervisor
 
-    def go() -> None:
-        # Fail here, once, on what every child would fail on (no --app, a bad module).
-        if not obj.outbox().endpoints:
-            raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
-        obj.close()  # the children open their own connections
-        command = [sys.executable, "-m", "outbox.cli", *_root_args(), "dispatch", "--json"]
-        if concurrency is not None:
-            command += ["--concurrency", str(concurrency)]
-        supervisor = Supervisor(command, processes)
-        report = supervisor.run()
-        if as_json:
-            _emit_json(report.as_dict())
-        else:
-            out.print(" ".join(f"{k}={v}" for k, v in report.as_dict().items()), markup=False)
-        if supervisor.exit_status:
-            sys.exit(supervisor.exit_status)
-
-    run_guarded(go)
+    # Fail here, once, on what every child would fail on (a bad module, no endpoint).
+    if not obj.outbox().endpoints:
+        raise click.UsageError(f"--app {obj.app} registers no endpoint: nothing can be sent")
+    obj.close()  # the children open their own connections
+    command = [sys.executable, "-m", "outbox.cli", *_child_args(obj), "dispatch", "--json"]
+    if concurrency is not None:
+        command += ["--concurrency", str(concurrency)]
+    supervisor = Supervisor(command, processes)
+    report = supervisor.run()
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        out.print(" ".join(f"{k}={v}" for k, v in report.as_dict().items()), markup=False)
+    if supervisor.exit_status:
+        sys.exit(supervisor.exit_status)
 
 
-def _root_args() -> list[str]:
-    """The top-level options this command was given, for a child ``outbox`` process."""
-    root = click.get_current_context().find_root()
-    args: list[str] = []
-    for param in root.command.params:
-        if not isinstance(param, click.Option) or param.name is None:
-            continue
-        value = root.params.get(param.name)
-        if value is None or param.is_flag or param.name == "version":
-            continue
-        args += [param.opts[0], str(value)]
+def _child_args(obj: Context) -> list[str]:
+    """The options this command was given (before or after it), for a child process."""
+    args = ["--log-level", obj.log_level, "--log-format", obj.log_format]
+    for option, value in (("--db", obj.db), ("--schema", obj.schema), ("--app", obj.app)):
+        if value is not None:
+            args += [option, value]
     return args
+
+
+@contextmanager
+def _live_line() -> Iterator[Any]:
+    """A one-line progress display on a terminal (stderr); nothing when piped."""
+    if not err.is_terminal:
+        yield lambda _summary: None
+        return
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(Text("starting"), console=err, transient=True, refresh_per_second=4) as live:
+
+        def show(summary: Any) -> None:
+            d = summary.as_dict()
+            live.update(
+                Text(
+                    f"claimed {d['claimed']}  succeeded {d['succeeded']}  failed {d['failed']}"
+                    f"  retry later {d['retry_scheduled']}  unresolved {d['unresolved']}"
+                )
+            )
+
+        yield show
 
 
 # -- operator actions -----------------------------------------------------------------------
@@ -512,197 +496,454 @@ def reconcile() -> None:
     """The reconciliation queue: operations whose outcome is not proven."""
 
 
-@reconcile.command("list")
-@click.option("--tenant", default=None)
-@click.option("--endpoint", default=None)
-@click.option("--reason", type=click.Choice([r.value for r in Reason]), default=None)
-@click.option("--older-than", default=None, help="Only unresolved for longer than this (e.g. 2h).")
+def filter_options(fn: Any) -> Any:
+    """The selection of a bulk action (with --all) or a listing."""
+    for option in reversed(
+        (
+            click.option("--endpoint", default=None, help="Only this endpoint's operations."),
+            click.option(
+                "--reason",
+                type=click.Choice([r.value for r in Reason]),
+                default=None,
+                help="Only unresolved operations with this reason.",
+            ),
+            click.option(
+                "--older-than",
+                type=DURATION,
+                default=None,
+                help="Only those last changed longer ago than this (e.g. 2h, 1h30m).",
+            ),
+            click.option(
+                "--newer-than",
+                type=DURATION,
+                default=None,
+                help="Only those last changed more recently than this.",
+            ),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+@command(reconcile, "list", reads=True)
+@click.option("--tenant", default=None, help="Only this tenant's operations.")
+@filter_options
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
 @click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
 @json_option
-@click.pass_obj
 def reconcile_list(
     obj: Context,
     tenant: str | None,
     endpoint: str | None,
     reason: str | None,
-    older_than: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
     limit: int,
     offset: int,
     as_json: bool,
 ) -> None:
-    """Unresolved operations, oldest first."""
+    """Unresolved operations, oldest first, and how many match in all."""
+    from outbox.reconcile import operation_dict
 
-    def go() -> None:
-        ops = Reconciler(obj.outbox()).list(
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=reason,
-            older_than=parse_duration(older_than) if older_than else None,
-            limit=limit,
-            offset=offset,
+    rec = _reconciler(obj)
+    filters: dict[str, Any] = {
+        "tenant": tenant,
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    ops = rec.list(**filters, limit=limit, offset=offset)
+    if as_json:
+        _emit_json([operation_dict(op) for op in ops])
+        return
+    from rich.table import Table
+
+    total = rec.count(**filters)
+    table = Table(title=f"unresolved operations ({len(ops)} shown of {total} matching)")
+    for column in ("operation id", "tenant", "endpoint", "reason", "attempts", "since"):
+        table.add_column(column)
+    for op in ops:
+        table.add_row(
+            op.operation_id,
+            op.tenant,
+            op.endpoint,
+            op.reason.value if op.reason else "",
+            str(op.attempts_total),
+            operation_dict(op)["updated_at"],
         )
-        if as_json:
-            _emit_json([operation_dict(op) for op in ops])
-            return
-        table = Table(title=f"unresolved operations ({len(ops)} shown)")
-        for column in ("operation id", "tenant", "endpoint", "reason", "attempts", "since"):
-            table.add_column(column)
-        for op in ops:
-            table.add_row(
-                op.operation_id,
-                op.tenant,
-                op.endpoint,
-                op.reason.value if op.reason else "",
-                str(op.attempts_total),
-                operation_dict(op)["updated_at"],
-            )
-        out.print(table)
-        if ops:
-            out.print("next: outbox reconcile show OP, then resolve or requeue it")
-
-    run_guarded(go)
+    out.print(table)
+    if offset + len(ops) < total:
+        more = [*_filter_words(**filters), "--limit", str(limit)]
+        more += ["--offset", str(offset + len(ops))]
+        out.print(f"more: {obj.command_hint('reconcile', 'list', *more)}", markup=False)
+    if ops:
+        first = ops[0]
+        tenant_words = ["--tenant", first.tenant] if first.tenant else []
+        show_first = obj.command_hint("reconcile", "show", first.operation_id, *tenant_words)
+        out.print(f"next: {show_first}, then resolve or requeue it", markup=False)
 
 
-@reconcile.command("show")
+def _filter_words(**filters: Any) -> list[str]:
+    """The command-line words that give these filters again."""
+    from outbox.durations import format_duration
+
+    words: list[str] = []
+    for name, value in filters.items():
+        if value is None:
+            continue
+        shown = format_duration(value) if isinstance(value, timedelta) else str(value)
+        words += [f"--{name.replace('_', '-')}", shown]
+    return words
+
+
+@command(reconcile, "show", reads=True)
 @click.argument("operation_id")
-@tenant_option
+@click.option("--tenant", default="", help="The tenant (namespace) of the operation ID.")
 @json_option
-@click.pass_obj
 def reconcile_show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
     """The evidence: every attempt, its request ID and what was observed."""
     _show(obj, operation_id, tenant, as_json)
 
 
-@reconcile.command("resolve")
-@click.argument("operation_id")
-@tenant_option
+def bulk_options(fn: Any) -> Any:
+    """One operation ID, or --all with filters; --dry-run and --yes."""
+    for option in reversed(
+        (
+            click.argument("operation_id", required=False),
+            click.option("--all", "every", is_flag=True, help="Act on every match of the filters."),
+            click.option(
+                "--tenant",
+                default=None,
+                help="The operation's tenant (default ''); with --all, a filter.",
+            ),
+            filter_options,
+            click.option(
+                "--dry-run", is_flag=True, help="With --all: say what would change; change nothing."
+            ),
+            click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation."),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _selection(
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    filters: dict[str, Any],
+    flags: dict[str, bool],
+) -> Selection | None:
+    """The bulk selection with --all; None for one operation (refusing bulk-only flags)."""
+    if every == (operation_id is not None):
+        raise click.UsageError("name one operation, or pass --all (with filters)")
+    if not every:
+        given = [f"--{k.replace('_', '-')}" for k, v in {**filters, **flags}.items() if v]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} go with --all, not with one operation")
+        return None
+    from outbox.bulk import Selection
+
+    return Selection(tenant=tenant, **filters)
+
+
+def _run_bulk(
+    obj: Context,
+    action: str,
+    selection: Selection,
+    *,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Dry run (always first), confirmation on a terminal, then the run with a progress
+    bar, and the summary. Exit 1 if anything was refused or changed by someone else."""
+    from outbox.bulk import bulk, select
+
+    rec = _reconciler(obj)
+    ops = select(rec, action, selection)
+    plan = bulk(rec, action, selection, dry_run=True, selected=ops, **kwargs)
+    if dry_run:
+        _bulk_summary(plan, as_json)
+        return
+    would = plan.counts["changed"]
+    if would and not yes:
+        if not sys.stdin.isatty():
+            fail(
+                EXIT_USAGE,
+                f"{action} --all would change {would} operations; without a terminal to "
+                "confirm on, pass --yes (or look first with --dry-run)",
+            )
+        _bulk_summary(plan, False, to=err)
+        click.confirm(f"{action} {would} operations?", abort=True, err=True)
+    with _progress_bar(f"{action}", len(ops)) as advance:
+        report = bulk(rec, action, selection, selected=ops, on_progress=advance, **kwargs)
+    _bulk_summary(report, as_json)
+    if not report.exit_ok:
+        sys.exit(EXIT_REFUSED)
+
+
+@contextmanager
+def _progress_bar(label: str, total: int) -> Iterator[Any]:
+    """A rich progress bar on a terminal (stderr); nothing when piped."""
+    if not err.is_terminal or total == 0:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task(label, total=total)
+        yield lambda done, _total: progress.update(task, completed=done)
+
+
+def _bulk_summary(report: BulkReport, as_json: bool, *, to: Console | None = None) -> None:
+    if as_json:
+        _emit_json(report.as_dict())
+        return
+    console = to or out
+    counts = report.counts
+    verb = "would change" if report.dry_run else "changed"
+    head = "dry run: " if report.dry_run else ""
+    console.print(
+        f"{head}{report.action}: {len(report.items)} matched, {verb} {counts['changed']}, "
+        f"refused {counts['refused']}, changed by someone else "
+        f"{counts['changed_by_someone_else']}",
+        markup=False,
+    )
+    for why, n in report.refusals.items():
+        console.print(f"  refused {n}: {why}", markup=False)
+    for item in report.items:
+        tenant = f" (tenant {item.tenant!r})" if item.tenant else ""
+        if item.outcome.value == "changed":
+            line = f"{'would change' if report.dry_run else 'changed'} -> {item.detail}"
+        else:
+            line = f"{item.outcome.value.replace('_', ' ')}: {item.detail}"
+        console.print(f"  {item.operation_id}{tenant}: {line}", markup=False)
+
+
+def _one_done(op: Any, as_json: bool, message: str) -> None:
+    from outbox.reconcile import operation_dict
+
+    if as_json:
+        _emit_json(operation_dict(op))
+    else:
+        out.print(message, markup=False)
+
+
+@command(reconcile, "resolve")
+@bulk_options
 @click.option("--as", "outcome", type=click.Choice(["succeeded", "failed"]), required=True)
 @click.option("--note", required=True, help="What you checked, for the audit trail.")
 @click.option("--operator", default=None, help="Your name (default: the OS user).")
 @json_option
-@click.pass_obj
 def reconcile_resolve(
     obj: Context,
-    operation_id: str,
-    tenant: str,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
     outcome: str,
     note: str,
     operator: str | None,
     as_json: bool,
 ) -> None:
-    """Settle an unresolved operation as succeeded or failed."""
+    """Settle an unresolved operation (or, with --all, every match) as succeeded or failed."""
+    filters = {
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    if selection is not None:
+        _run_bulk(obj, "resolve", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+                  outcome=outcome, note=note, operator=operator)  # fmt: skip
+        return
+    assert operation_id is not None
+    op = _reconciler(obj).resolve(
+        operation_id, tenant=tenant or "", outcome=outcome, note=note, operator=operator
+    )
+    _one_done(op, as_json, f"resolved {operation_id} as {op.state.value}")
 
-    def go() -> None:
-        op = Reconciler(obj.outbox()).resolve(
-            operation_id, tenant=tenant, outcome=outcome, note=note, operator=operator
-        )
-        _done(op, as_json, f"resolved {operation_id} as {op.state.value}")
 
-    run_guarded(go)
-
-
-@reconcile.command("requeue")
-@click.argument("operation_id")
-@tenant_option
+@command(reconcile, "requeue")
+@bulk_options
 @click.option("--note", required=True, help="What you checked, for the audit trail.")
 @click.option("--operator", default=None, help="Your name (default: the OS user).")
 @click.option(
     "--accept-duplicate-risk",
     is_flag=True,
-    help="Requeue even though the receiver may have forgotten the key.",
+    help=(
+        "Requeue even though the receiver may have forgotten the key: restarts the key's "
+        "life (new window and key retention from the next attempt); if an earlier attempt "
+        "was applied, the resend may cause a second effect."
+    ),
 )
 @json_option
-@click.pass_obj
 def reconcile_requeue(
     obj: Context,
-    operation_id: str,
-    tenant: str,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
     note: str,
     operator: str | None,
     accept_duplicate_risk: bool,
     as_json: bool,
 ) -> None:
-    """Send again under the same operation ID, with a new retry window."""
+    """Send again under the same operation ID, with a new retry window.
 
-    def go() -> None:
-        op = Reconciler(obj.outbox()).requeue(
-            operation_id,
-            tenant=tenant,
-            note=note,
-            operator=operator,
-            accept_duplicate_risk=accept_duplicate_risk,
-        )
-        _done(op, as_json, f"requeued {operation_id}: pending, same operation ID")
+    Decided from the database alone (the policy stored with each operation): no --app
+    needed; the dispatcher that sends it needs the application.
+    """
+    filters = {
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    if selection is not None:
+        _run_bulk(obj, "requeue", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+                  note=note, operator=operator,
+                  accept_duplicate_risk=accept_duplicate_risk)  # fmt: skip
+        return
+    assert operation_id is not None
+    op = _reconciler(obj).requeue(
+        operation_id,
+        tenant=tenant or "",
+        note=note,
+        operator=operator,
+        accept_duplicate_risk=accept_duplicate_risk,
+    )
+    _one_done(op, as_json, f"requeued {operation_id}: pending, same operation ID")
 
-    run_guarded(go)
 
-
-@main.command()
-@click.argument("operation_id")
-@tenant_option
+@command(main)
+@click.argument("operation_id", required=False)
+@click.option("--all", "every", is_flag=True, help="Cancel every pending match of the filters.")
+@click.option(
+    "--tenant", default=None, help="The operation's tenant (default ''); with --all, a filter."
+)
+@click.option("--endpoint", default=None, help="With --all: only this endpoint's operations.")
+@click.option("--older-than", type=DURATION, default=None, help="With --all: last changed before.")
+@click.option("--newer-than", type=DURATION, default=None, help="With --all: last changed since.")
+@click.option("--dry-run", is_flag=True, help="With --all: say what would change; change nothing.")
+@click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation.")
 @click.option("--note", required=True, help="Why, for the audit trail.")
 @click.option("--operator", default=None)
 @json_option
-@click.pass_obj
 def cancel(
-    obj: Context, operation_id: str, tenant: str, note: str, operator: str | None, as_json: bool
+    obj: Context,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
+    note: str,
+    operator: str | None,
+    as_json: bool,
 ) -> None:
-    """Cancel a pending operation that was never sent."""
+    """Cancel a pending operation that was never sent (or, with --all, every match)."""
+    filters = {"endpoint": endpoint, "older_than": older_than, "newer_than": newer_than}
+    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    if selection is not None:
+        _run_bulk(obj, "cancel", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+                  note=note, operator=operator)  # fmt: skip
+        return
+    assert operation_id is not None
+    op = _reconciler(obj).cancel(operation_id, tenant=tenant or "", note=note, operator=operator)
+    _one_done(op, as_json, f"cancelled {operation_id}")
 
-    def go() -> None:
-        op = Reconciler(obj.outbox()).cancel(
-            operation_id, tenant=tenant, note=note, operator=operator
-        )
-        _done(op, as_json, f"cancelled {operation_id}")
 
-    run_guarded(go)
-
-
-@main.command()
-@click.option("--older-than", required=True, help="e.g. 30d: finished longer ago than this.")
+@command(main)
+@click.option(
+    "--older-than", type=DURATION, required=True, help="e.g. 30d: finished longer ago than this."
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--vacuum",
+    is_flag=True,
+    help="SQLite: afterwards give the freed space back to the file system (VACUUM).",
+)
 @click.option("--operator", default=None)
 @json_option
-@click.pass_obj
-def purge(obj: Context, older_than: str, operator: str | None, as_json: bool) -> None:
+def purge(
+    obj: Context,
+    older_than: timedelta,
+    dry_run: bool,
+    vacuum: bool,
+    operator: str | None,
+    as_json: bool,
+) -> None:
     """Delete old succeeded, failed and cancelled operations; never unresolved ones."""
-
-    def go() -> None:
-        cutoff: timedelta = parse_duration(older_than)
-        removed = Reconciler(obj.outbox()).purge(older_than=cutoff, operator=operator)
-        if as_json:
-            _emit_json({"removed": removed, "total": sum(removed.values())})
-        else:
-            detail = ", ".join(f"{k}={v}" for k, v in sorted(removed.items())) or "nothing"
-            out.print(f"purged {sum(removed.values())} operations ({detail})")
-
-    run_guarded(go)
-
-
-def _done(op: Any, as_json: bool, message: str) -> None:
-    if as_json:
-        _emit_json(operation_dict(op))
+    rec = _reconciler(obj)
+    if vacuum and rec.store.dialect != "sqlite":
+        raise click.UsageError("--vacuum is for SQLite; PostgreSQL's autovacuum does this")
+    if dry_run and vacuum:
+        raise click.UsageError("--dry-run changes nothing; --vacuum would")
+    if dry_run:
+        removed = rec.purge(older_than=older_than, dry_run=True)
     else:
-        out.print(message)
+        total = sum(rec.purge(older_than=older_than, dry_run=True).values())
+        with _progress_bar("purge", total) as advance:
+            done = [0]
+
+            def on_batch(n: int) -> None:
+                done[0] += n
+                if advance is not None:
+                    advance(done[0], total)
+
+            removed = rec.purge(older_than=older_than, operator=operator, on_batch=on_batch)
+    result: dict[str, Any] = {
+        "removed": removed,
+        "total": sum(removed.values()),
+        "dry_run": dry_run,
+    }
+    if vacuum:
+        before, after = rec.vacuum()
+        result["bytes_before"], result["bytes_after"] = before, after
+    if as_json:
+        _emit_json(result)
+        return
+    detail = ", ".join(f"{k}={v}" for k, v in sorted(removed.items())) or "nothing"
+    verb = "would purge" if dry_run else "purged"
+    out.print(f"{verb} {result['total']} operations ({detail})")
+    if vacuum:
+        out.print(f"vacuum: {result['bytes_before']} bytes before, {result['bytes_after']} after")
 
 
-@main.command()
+@command(main)
 @click.option(
     "--dir",
     "directory",
     default=None,
     help="Keep the demo's files here (default: a temporary directory, removed).",
 )
-@click.pass_obj
 def demo(obj: Context, directory: str | None) -> None:
     """A guided run against a local receiver: lost responses, replays, reconciliation."""
     from outbox.demo import run_demo
 
     del obj
-    run_guarded(lambda: run_demo(directory, out))
+    run_demo(directory, out)
 
 
-@main.command("console")
+@command(main, "console")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
 @click.option(
@@ -722,7 +963,6 @@ def demo(obj: Context, directory: str | None) -> None:
     help="The name audited for a token given without one (default: the OS user).",
 )
 @click.option("--read-only", is_flag=True, help="Show everything, change nothing.")
-@click.pass_obj
 def console_command(
     obj: Context,
     host: str,
@@ -738,43 +978,33 @@ def console_command(
     audited under the name tied to the sign-in token. Binds 127.0.0.1 by default.
     """
 
-    def go() -> None:
-        try:
-            from outbox.console.auth import Credentials
-            from outbox.console.server import check_bind, open_existing, serve
-        except ImportError as exc:
-            raise click.UsageError(
-                f"outbox console needs the console extra: pip install 'outbox[console]' ({exc})"
-            ) from exc
-        from outbox.reconcile import default_operator
+    try:
+        from outbox.console.auth import Credentials
+        from outbox.console.server import check_bind, serve
+    except ImportError as exc:
+        raise click.UsageError(
+            f"outbox console needs the console extra: pip install 'outbox[console]' ({exc})"
+        ) from exc
+    from outbox.reconcile import default_operator
 
-        name = operator or default_operator()
-        credentials = Credentials.configured(token_file=token_file, default_name=name)
-        check_bind(host, allow_remote=allow_remote, credentials=credentials)
-        if obj.app is None:
-            if not obj.db:
-                raise click.UsageError("name the database: --db URL or OUTBOX_DATABASE_URL")
-            obj._outbox = open_existing(obj.db)
-        ob = obj.outbox()
-        serve(
-            ob,
-            host=host,
-            port=port,
-            credentials=credentials or Credentials.generate(name),
-            read_only=read_only,
-            echo=click.echo,
-        )
-
-    run_guarded(go)
+    name = operator or default_operator()
+    credentials = Credentials.configured(token_file=token_file, default_name=name)
+    check_bind(host, allow_remote=allow_remote, credentials=credentials)
+    ob = obj.outbox()  # never creates: a missing file or schema is exit 3
+    serve(
+        ob,
+        host=host,
+        port=port,
+        credentials=credentials or Credentials.generate(name),
+        read_only=read_only,
+        echo=click.echo,
+    )
 
 
 # -- receiver conformance check and status lookups ------------------------------------------
 
 
-@main.command("check-receiver")
-@click.option(
-    "--app", "app_option", default=None, help="module:attr naming the application's Outbox."
-)
+@command(main, "check-receiver")
 @click.option("--endpoint", required=True, help="The registered endpoint to probe.")
 @click.option("--path", required=True, help="The operation's path, e.g. /reservations.")
 @click.option("--json-body", required=True, help="The probe operation's JSON body.")
@@ -794,9 +1024,7 @@ def console_command(
     is_flag=True,
     help="Probe an endpoint not marked probe_safe=True (the probes create real effects).",
 )
-@click.option(
-    "--strict", is_flag=True, help="Exit 1 also when a check could not tell (undecided)."
-)
+@click.option("--strict", is_flag=True, help="Exit 1 also when a check could not tell (undecided).")
 @click.option(
     "--probe-tenants",
     default=None,
@@ -804,10 +1032,8 @@ def console_command(
     help="The two tenants of the tenant-scoping probe (default outbox-probe-tenant-a,-b).",
 )
 @json_option
-@click.pass_obj
 def check_receiver_command(
     obj: Context,
-    app_option: str | None,
     endpoint: str,
     path: str,
     json_body: str,
@@ -835,51 +1061,48 @@ def check_receiver_command(
             raise click.UsageError("--probe-tenants takes two tenants: A,B")
         tenants = (parts[0], parts[1])
 
-    def go() -> None:
-        try:
-            body = json.loads(json_body)
-        except ValueError as exc:
-            raise click.UsageError(f"--json-body is not JSON: {exc}") from exc
-        if app_option:
-            obj.app = app_option
-        if not obj.app:
-            raise click.UsageError("check-receiver needs --app module:attr: endpoints live in code")
-        report = check_receiver(
-            obj.outbox(),
-            endpoint=endpoint,
-            method=method,
-            path=path,
-            json_body=body,
-            tenant=tenant,
-            retention_delay=retention_delay,
-            concurrency=concurrency,
-            allow_unsafe=allow_unsafe,
-            strict=strict,
-            probe_tenants=tenants,
-        )
-        if as_json:
-            _emit_json(report.as_dict())
-        else:
-            for line in report.lines():
-                out.print(line, markup=False)
-        sys.exit(report.exit_code)
-
-    run_guarded(go)
+    try:
+        body = json.loads(json_body)
+    except ValueError as exc:
+        raise click.UsageError(f"--json-body is not JSON: {exc}") from exc
+    if not obj.app:
+        raise click.UsageError("check-receiver needs --app module:attr: endpoints live in code")
+    report = check_receiver(
+        obj.outbox(),
+        endpoint=endpoint,
+        method=method,
+        path=path,
+        json_body=body,
+        tenant=tenant,
+        retention_delay=retention_delay,
+        concurrency=concurrency,
+        allow_unsafe=allow_unsafe,
+        strict=strict,
+        probe_tenants=tenants,
+    )
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        for line in report.lines():
+            out.print(line, markup=False)
+    sys.exit(report.exit_code)
 
 
-@reconcile.command("probe")
+@command(reconcile, "probe")
 @click.argument("operation_id", required=False)
-@click.option("--all", "every", is_flag=True, help="Probe every unresolved operation.")
+@click.option("--all", "every", is_flag=True, help="Probe every unresolved match of the filters.")
 @click.option("--tenant", default=None, help="The operation's tenant (with --all: a filter).")
-@click.option("--endpoint", default=None, help="With --all: only this endpoint's operations.")
+@filter_options
 @json_option
-@click.pass_obj
 def reconcile_probe(
     obj: Context,
     operation_id: str | None,
     every: bool,
     tenant: str | None,
     endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
     as_json: bool,
 ) -> None:
     """Ask the receiver (the endpoint's status_lookup) and settle what it answers.
@@ -888,35 +1111,32 @@ def reconcile_probe(
     the same operation ID. After it: left unresolved, evidence in the audit. Unknown: left
     for you. Every action is audited as actor status-lookup.
     """
-    from outbox.lookup import probe, probe_all
-
-    if every == (operation_id is not None):
-        raise click.UsageError("name one operation, or pass --all")
-    if operation_id is not None and endpoint is not None:
-        raise click.UsageError("--endpoint filters --all only")
-
-    def go() -> None:
-        ob = obj.outbox()
-        if operation_id is not None:
-            outcomes = [probe(ob, operation_id, tenant=tenant or "")]
-        else:
-            outcomes = probe_all(ob, endpoint=endpoint, tenant=tenant)
-        if as_json:
-            _emit_json([o.as_dict() for o in outcomes])
-            return
-        for o in outcomes:
-            tenant_note = f" (tenant {o.tenant!r})" if o.tenant else ""
-            out.print(
-                f"{o.operation_id}{tenant_note}: {o.action.value}, now {o.state.value}",
-                markup=False,
-            )
-            if o.lookup is not None:
-                out.print(f"  lookup: {o.lookup.describe()}", markup=False)
-            if o.lookup is None or o.detail != o.lookup.detail:
-                out.print(f"  {o.detail}", markup=False)
-        out.print(f"{len(outcomes)} operations probed", markup=False)
-
-    run_guarded(go)
+    filters = {
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    _selection(operation_id, every, tenant, filters, {})
+    rec = _reconciler(obj)
+    if operation_id is not None:
+        outcomes = [rec.probe(operation_id, tenant=tenant or "")]
+    else:
+        outcomes = rec.probe_all(tenant=tenant, **filters)
+    if as_json:
+        _emit_json([o.as_dict() for o in outcomes])
+        return
+    for o in outcomes:
+        tenant_note = f" (tenant {o.tenant!r})" if o.tenant else ""
+        out.print(
+            f"{o.operation_id}{tenant_note}: {o.action.value}, now {o.state.value}",
+            markup=False,
+        )
+        if o.lookup is not None:
+            out.print(f"  lookup: {o.lookup.describe()}", markup=False)
+        if o.lookup is None or o.detail != o.lookup.detail:
+            out.print(f"  {o.detail}", markup=False)
+    out.print(f"{len(outcomes)} operations probed", markup=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

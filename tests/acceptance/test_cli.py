@@ -40,6 +40,8 @@ from tests.integration._reconcile_states import (
 REPO = Path(__file__).resolve().parents[2]
 OUTBOX_SCRIPT = Path(sys.executable).with_name("outbox")
 DAY_MS = 86_400_000
+#: The environment variables the command line reads; tests start without them.
+OUR_ENV = ("OUTBOX_DATABASE_URL", "OUTBOX_DB", "OUTBOX_SCHEMA", "OUTBOX_APP")
 
 #: `reconcile list` order: oldest first (lost went unresolved 120 s before busy and dark).
 UNRESOLVED_IN_LIST_ORDER = (LOST, S.BUSY, DARK)
@@ -57,7 +59,7 @@ class World(S.World):
     """A database with an operation in every state, and the command line over it."""
 
     def env(self, now_ms: int | None = None) -> dict[str, str | None]:
-        env: dict[str, str | None] = {"OUTBOX_DATABASE_URL": None, "OUTBOX_APP": None}
+        env: dict[str, str | None] = {name: None for name in OUR_ENV}
         env.update(
             S.app_env(
                 self.db_url,
@@ -134,7 +136,7 @@ def run_outbox(
     """The installed command (or ``python -m outbox.cli``) as a real process."""
     command = [sys.executable, "-m", "outbox.cli"] if module else [str(OUTBOX_SCRIPT)]
     full_env = {
-        k: v for k, v in os.environ.items() if k not in ("OUTBOX_DATABASE_URL", "OUTBOX_APP")
+        k: v for k, v in os.environ.items() if k not in OUR_ENV
     }
     full_env.update({k: v for k, v in (env or {}).items() if v is not None})
     return subprocess.run(
@@ -250,13 +252,13 @@ def test_reconcile_list_table_json_filters_and_paging(shared: World) -> None:
     world = shared
     result = world.cli("reconcile", "list")
     assert result.exit_code == 0, result.stderr
-    assert "unresolved operations (3 shown)" in result.stdout
+    assert "unresolved operations (3 shown of 3 matching)" in result.stdout
     rows = table(result.stdout)
     assert [r[0] for r in rows] == ["op-lost", "op-busy", "op-dark"]  # oldest first
     assert [r[1] for r in rows] == ["globex", "acme", ""]
     assert [r[2] for r in rows] == ["fragile", "inventory", "offline"]
     assert [r[4] for r in rows] == ["1", "2", "2"]
-    assert "next: outbox reconcile show OP" in result.stdout
+    assert "next: outbox reconcile show op-lost --tenant globex --app " in result.stdout
 
     def listed(*args: str) -> list[str]:
         r = world.cli("reconcile", "list", *args)
@@ -273,7 +275,12 @@ def test_reconcile_list_table_json_filters_and_paging(shared: World) -> None:
     assert listed("--limit", "1", "--offset", "1") == ["op-busy"]
     assert listed("--older-than", "1m") == ["op-lost"]  # busy and dark: 120 s younger
     empty = world.cli("reconcile", "list", "--offset", "3")
-    assert "(0 shown)" in empty.stdout and "next:" not in empty.stdout
+    assert "(0 shown of 3 matching)" in empty.stdout and "next:" not in empty.stdout
+    page = world.cli("reconcile", "list", "--limit", "1", "--reason", "outcome_unknown")
+    assert "(1 shown of 1 matching)" in page.stdout and "more:" not in page.stdout
+    first = world.cli("reconcile", "list", "--limit", "2")
+    assert "(2 shown of 3 matching)" in first.stdout
+    assert "more: outbox reconcile list --limit 2 --offset 2 --app " in first.stdout
 
     data = world.json("reconcile", "list")
     assert [d["operation_id"] for d in data] == ["op-lost", "op-busy", "op-dark"]
@@ -298,7 +305,12 @@ def test_show_json_has_the_evidence_and_a_stable_shape(shared: World) -> None:
     for ref in UNRESOLVED:
         data = world.json("reconcile", "show", ref.operation_id, "--tenant", ref.tenant)
         assert set(data) == REPORT_KEYS
-        assert set(data["requeue_risk"]) == {"key_expires_at", "key_retention_passed", "note"}
+        assert set(data["requeue_risk"]) == {
+            "key_expires_at",
+            "key_retention_passed",
+            "note",
+            "policy_source",
+        }
         assert all(set(a) == ATTEMPT_KEYS for a in data["attempts"])
         assert (data["state"], data["reason"]) == ("unresolved", ref.reason)
         assert data["requeue_risk"]["key_retention_passed"] is False
@@ -438,12 +450,10 @@ def test_refused_actions_exit_1_say_why_and_change_nothing(shared: World) -> Non
          "no operation 'op-lost' in tenant ''", {}),
         (("show", "op-nope"), "no operation 'op-nope'", {}),
         (("reconcile", "show", "op-lost", "--tenant", "acme"), "no operation", {}),
-        # Without the application, the key's retention is unknown.
-        (("reconcile", "requeue", "op-lost", "--tenant", "globex", "--note", "n"),
-         "not registered here (pass --app)", {"app": False}),
         # After the receiver's key retention, only with --accept-duplicate-risk.
         (("reconcile", "requeue", "op-lost", "--tenant", "globex", "--note", "n"),
-         "pass --accept-duplicate-risk", {"now_ms": retention_passed}),
+         "--accept-duplicate-risk requeues it anyway and restarts the key's life",
+         {"now_ms": retention_passed}),
     ]  # fmt: skip
     for args, message, options in cases:
         before = world.rows()
@@ -469,7 +479,7 @@ def test_usage_errors_exit_2_and_change_nothing(shared: World) -> None:
         (("reconcile", "requeue", *lost), "--note"),
         (("cancel", "op-wait", "--tenant", "acme"), "--note"),
         (("purge",), "--older-than"),
-        (("purge", "--older-than", "soon"), "duration must look like 30d"),
+        (("purge", "--older-than", "soon"), "duration must look like 90s, 30m, 1h30m"),
         (("purge", "--older-than", "0d"), "must be positive"),
         (("reconcile", "list", "--limit", "0"), "--limit"),
         (("reconcile", "list", "--offset", "-1"), "--offset"),
@@ -487,7 +497,7 @@ def test_usage_errors_exit_2_and_change_nothing(shared: World) -> None:
         assert world.rows() == before, f"{args} changed the tables"
 
     runner = CliRunner()
-    no_db = runner.invoke(main, ["status"], env={"OUTBOX_DATABASE_URL": None, "OUTBOX_APP": None})
+    no_db = runner.invoke(main, ["status"], env={name: None for name in OUR_ENV})
     assert no_db.exit_code == 2
     assert "--db URL" in no_db.stderr
     bad_app = runner.invoke(main, ["--app", "no_attribute_named", "status"], env=world.env())
@@ -566,7 +576,11 @@ def test_purge_deletes_old_terminal_operations_and_nothing_else(world: World) ->
     assert S.attempt_count(engine, ["op-ok", "op-bad", "op-cancel"]) == 2
 
     data = world.json("purge", "--older-than", "30d")
-    assert data == {"removed": {"cancelled": 1, "failed": 1, "succeeded": 1}, "total": 3}
+    assert data == {
+        "removed": {"cancelled": 1, "failed": 1, "succeeded": 1},
+        "total": 3,
+        "dry_run": False,
+    }
     assert S.state_counts(engine) == {
         "unresolved": 2,
         "in_flight": 1,
@@ -624,7 +638,7 @@ def test_installed_command_reads_refuses_and_exits_with_the_documented_codes(
 def test_two_operators_resolving_at_once_from_two_processes_exactly_one_wins(
     world: World,
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("OUTBOX_DATABASE_URL", "OUTBOX_APP")}
+    env = {k: v for k, v in os.environ.items() if k not in OUR_ENV}
     resolve = [str(OUTBOX_SCRIPT), "--db", world.db_url, "reconcile", "resolve", "op-lost"]
     procs = {
         who: subprocess.Popen(

@@ -72,7 +72,8 @@ def test_a_non_loopback_bind_needs_allow_remote_and_a_configured_credential(
 def test_bad_credentials_and_missing_databases_are_one_line_usage_errors(tmp_path: Path) -> None:
     db = tmp_path / "absent.sqlite3"
     code, out = run("--db", f"sqlite:///{db}", "console")
-    assert code == 2 and "no SQLite database at" in out and not db.exists()
+    # A missing database is the command line's exit 3 (the database), never created.
+    assert code == 3 and "no outbox database at" in out and not db.exists()
     code, out = run("--db", "not a url", "console")
     assert code == 2 and "not a database URL" in out and len(out.strip().splitlines()) == 1
     short = tmp_path / "short"

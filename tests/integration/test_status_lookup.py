@@ -383,7 +383,7 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db_url: str, url: str)
 
 
 def _cli(app: str, *args: str) -> Result:
-    env: dict[str, str | None] = {"OUTBOX_DATABASE_URL": None, "OUTBOX_APP": None}
+    env: dict[str, str | None] = dict.fromkeys(("OUTBOX_DATABASE_URL", "OUTBOX_DB", "OUTBOX_APP"))
     return CliRunner().invoke(main, ["--app", app, *args], env=env, catch_exceptions=False)
 
 
@@ -413,7 +413,13 @@ def test_cli_reconcile_probe_one_and_all(
     assert result.exit_code == 1
     assert "not unresolved" in result.stderr
 
-    result = _cli(app, "reconcile", "probe", "--all", "--json")
+    # The filters of the bulk actions: a reason nothing has matches nothing.
+    result = _cli(app, "reconcile", "probe", "--all", "--reason", "outcome_unknown", "--json")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert json.loads(result.stdout) == []
+    assert ob.get("cli-refused").state is State.UNRESOLVED
+
+    result = _cli(app, "reconcile", "probe", "--all", "--reason", "retries_exhausted", "--json")
     assert result.exit_code == 0, (result.stdout, result.stderr)
     [outcome] = json.loads(result.stdout)
     assert outcome["operation_id"] == "cli-refused"

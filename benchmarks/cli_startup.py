@@ -1,0 +1,98 @@
+"""How long ``outbox status`` and ``outbox reconcile show`` take, start to exit, on SQLite.
+
+Runs each command N times as a fresh process, interleaving the trees compared (so a busy
+machine slows both alike), and prints medians and the ratio. Usage:
+
+    python benchmarks/cli_startup.py [--runs 15] [--before DIR]
+
+``--before DIR``: a checkout of an older outbox (e.g. ``git archive main | tar -x -C DIR``),
+put first on PYTHONPATH for the "before" runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _prepare(directory: Path) -> str:
+    from outbox import Endpoint, Outbox
+
+    url = f"sqlite:///{directory / 'outbox.sqlite3'}"
+    with Outbox(url, endpoints=[Endpoint(name="api", base_url="http://127.0.0.1:9")]) as ob:
+        ob.enqueue(endpoint="api", method="POST", path="/x", json={"n": 1}, operation_id="op-1")
+    return url
+
+
+def _time(command: list[str], pythonpath: str | None) -> tuple[float, float]:
+    """Wall-clock and CPU (user + system) seconds of one run of ``command``."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(command, env=env, check=True, capture_output=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--before", default=None)
+    options = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        url = _prepare(Path(tmp))
+        python = sys.executable
+        commands = {
+            "python -c pass": [python, "-c", "pass"],
+            "outbox status": [python, "-m", "outbox.cli", "--db", url, "status"],
+            "outbox reconcile show": [
+                python,
+                "-m",
+                "outbox.cli",
+                "--db",
+                url,
+                "reconcile",
+                "show",
+                "op-1",
+            ],
+        }
+        trees = (
+            {"after": None}
+            if options.before is None
+            else {
+                "before": options.before,
+                "after": None,
+            }
+        )
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for _ in range(options.runs):
+            for name, command in commands.items():
+                for tree, path in trees.items():
+                    results.setdefault((name, tree), []).append(_time(command, path))
+        print(f"medians of {options.runs} runs; wall clock, then CPU (user + system)")
+        for name in commands:
+            for index, label in ((0, "wall"), (1, "cpu")):
+                medians = {
+                    tree: statistics.median(r[index] for r in results[(name, tree)])
+                    for tree in trees
+                }
+                line = "  ".join(f"{tree} {m:.3f}s" for tree, m in medians.items())
+                if "before" in medians:
+                    line += f"  after/before {medians['after'] / medians['before']:.2f}"
+                print(f"{name:24} {label:4}: {line}")
+
+
+if __name__ == "__main__":
+    main()

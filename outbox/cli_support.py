@@ -1,0 +1,375 @@
+"""What every ``outbox`` command shares: where the database is, how a failure becomes
+one line and an exit code, and the options that may come before or after the command.
+
+Exit codes (the README's table):
+
+====  =====================================================================================
+0     done
+1     refused: wrong state, conflict, not found, changed by someone else, a failed
+      ``status --check``, a bulk action that left some operations unchanged
+2     usage: a bad option or duration, ``--app`` not importable or not an Outbox,
+      a bulk action without a terminal and without ``--yes``
+3     the database: unreachable, wrong credentials, no file, no schema, schema too old
+4     a bug in outbox (rerun with ``--debug`` and report the traceback)
+130   interrupted (Ctrl-C)
+====  =====================================================================================
+
+Read commands never create or migrate anything: only ``outbox migrate`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import shlex
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import click
+
+from outbox.errors import (
+    ConcurrentModification,
+    ConfigurationError,
+    OperationConflict,
+    OperationNotFound,
+    OperatorActionRefused,
+    OutboxError,
+    SchemaError,
+    StoreError,
+    ValidationError,
+)
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STORE, EXIT_BUG = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
+#: Environment variables naming the database, first found wins. OUTBOX_DATABASE_URL is
+#: the older name, still read.
+DB_ENVVARS = ("OUTBOX_DB", "OUTBOX_DATABASE_URL")
+
+
+class AppError(click.UsageError):
+    """``--app`` could not be turned into an Outbox."""
+
+
+class Context:
+    """The database (or application) a command works on, opened on first use."""
+
+    def __init__(self) -> None:
+        self.db: str | None = None
+        #: The environment variable the URL came from, if it came from one.
+        self.db_env: str | None = None
+        self.schema: str | None = None
+        self.app: str | None = None
+        self.debug = False
+        self.log_level = "info"
+        self.log_format = "auto"
+        self._outbox: Outbox | None = None
+
+    def configure_logs(self) -> None:
+        from outbox import logs
+
+        logs.configure(self.log_level, self.log_format)
+
+    def outbox(self) -> Outbox:
+        """The application's Outbox (``--app``) or one on ``--db``; never creates."""
+        if self._outbox is None:
+            if self.app:
+                self._outbox = load_app(self.app)
+            else:
+                from outbox.client import Outbox
+
+                if not self.db:
+                    raise click.UsageError(
+                        "name the database: --db URL (or set OUTBOX_DB), or --app module:attr"
+                    )
+                self._outbox = Outbox(self.db, schema=self.schema, auto_migrate=False)
+        return self._outbox
+
+    def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+
+    def where(self) -> str:
+        """The database, as it may be printed (password hidden), with its schema."""
+        if self.db is None:
+            return f"the database of --app {self.app}" if self.app else "the database"
+        try:
+            from sqlalchemy.engine import make_url
+
+            shown = make_url(self.db).render_as_string(hide_password=True)
+        except Exception:
+            shown = "the --db URL"
+        return shown + (f" (schema {self.schema})" if self.schema else "")
+
+    def command_hint(self, *args: str) -> str:
+        """``outbox ARGS --db URL [--schema S]``, quoted so that pasting it runs it."""
+        command = " ".join(shlex.quote(w) for w in ("outbox", *args))
+        if self.db is not None:
+            try:
+                from sqlalchemy.engine import make_url
+
+                has_password = make_url(self.db).password is not None
+            except Exception:
+                has_password = False
+            # Never print a secret: with a password in the URL, point at where it is.
+            db = f'"${self.db_env or DB_ENVVARS[0]}"' if has_password else shlex.quote(self.db)
+            command += f" --db {db}"
+        elif self.app is not None:
+            command += f" --app {shlex.quote(self.app)}"
+        return command + self._schema_words()
+
+    def _schema_words(self) -> str:
+        return f" --schema {shlex.quote(self.schema)}" if self.schema else ""
+
+
+def load_app(app: str) -> Outbox:
+    """``module:attr`` naming an Outbox, or a callable returning one."""
+    from outbox.client import Outbox
+
+    module_name, _, attr = app.partition(":")
+    if not module_name or not attr:
+        raise AppError(f"--app takes module:attr, e.g. myapp.jobs:outbox; got {app!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise AppError(
+                f"--app {app}: no module named {module_name!r} (run from the directory that "
+                "holds it, or set PYTHONPATH)"
+            ) from exc
+        raise AppError(f"--app {app}: importing {module_name!r} failed: {_described(exc)}") from exc
+    except Exception as exc:
+        raise AppError(f"--app {app}: importing {module_name!r} failed: {_described(exc)}") from exc
+    try:
+        target = getattr(module, attr)
+    except AttributeError as exc:
+        raise AppError(f"--app {app}: module {module_name!r} has no attribute {attr!r}") from exc
+    if callable(target) and not isinstance(target, Outbox):
+        try:
+            target = target()
+        except OutboxError:
+            raise
+        except Exception as exc:
+            raise AppError(f"--app {app}: calling {attr}() failed: {_described(exc)}") from exc
+    if not isinstance(target, Outbox):
+        raise AppError(
+            f"--app {app}: {attr} is a {type(target).__name__}, not an outbox.Outbox "
+            "(or a function returning one)"
+        )
+    return target
+
+
+# -- options that work before or after the command ------------------------------------
+
+
+def _setter(field: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def store(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
+        if value is None or value is False:
+            return  # not given here: the group's value (or the environment's) stands
+        obj = ctx.ensure_object(Context)
+        setattr(obj, field, value)
+        if field == "db":
+            obj.db_env = None
+
+    return store
+
+
+def shared_options(fn: F) -> F:
+    """``--db``, ``--schema``, ``--app`` and ``--debug`` on a command: given after the
+    command they override what came before it or from the environment."""
+    for option in reversed(
+        (
+            click.option(
+                "--db",
+                expose_value=False,
+                callback=_setter("db"),
+                help="Database URL (or OUTBOX_DB).",
+            ),
+            click.option(
+                "--schema",
+                expose_value=False,
+                callback=_setter("schema"),
+                help="PostgreSQL schema holding the outbox tables (or OUTBOX_SCHEMA).",
+            ),
+            click.option(
+                "--app",
+                expose_value=False,
+                callback=_setter("app"),
+                help="module:attr naming the application's Outbox (or OUTBOX_APP).",
+            ),
+            click.option(
+                "--debug",
+                is_flag=True,
+                expose_value=False,
+                callback=_setter("debug"),
+                help="On failure, print the traceback too.",
+            ),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException | str) -> str:
+    text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
+    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+
+
+def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
+    """The exit code and the one line for an exception that ended a command."""
+    obj = obj or Context()
+    if isinstance(exc, SchemaError):
+        fix = obj.command_hint("migrate")
+        if getattr(exc, "missing", False) and "does not exist" in str(exc):
+            return EXIT_STORE, f"{_one_line(exc)}. Check the path; to create it: {fix}"
+        message = _one_line(exc).replace("run: outbox migrate --db URL", f"run: {fix}")
+        return EXIT_STORE, message
+    if isinstance(exc, ConcurrentModification) and exc.operation_id:
+        again = obj.command_hint(
+            "reconcile", "show", exc.operation_id, *(["--tenant", exc.tenant] if exc.tenant else [])
+        )
+        message = _one_line(exc).replace(
+            "Run `outbox reconcile show` again.", f"Look again: {again}"
+        )
+        return EXIT_REFUSED, message
+    if isinstance(exc, (OperatorActionRefused, OperationNotFound, OperationConflict)):
+        return EXIT_REFUSED, _one_line(exc)
+    if isinstance(exc, (ValidationError, ConfigurationError)):
+        return EXIT_USAGE, _one_line(exc)
+    if isinstance(exc, StoreError):
+        return EXIT_STORE, _one_line(exc)
+    if isinstance(exc, OutboxError):
+        return EXIT_REFUSED, _one_line(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+
+    if isinstance(exc, (ArgumentError, NoSuchModuleError)):
+        return EXIT_USAGE, f"--db is not a database URL outbox can use: {_one_line(exc)}"
+    if isinstance(exc, DBAPIError):
+        cause = exc.orig if exc.orig is not None else exc
+        if exc.connection_invalidated or _is_connect(exc):
+            return EXIT_STORE, f"cannot connect to the database {obj.where()}: {_one_line(cause)}"
+        return EXIT_STORE, f"database error at {obj.where()}: {_one_line(cause)}"
+    if isinstance(exc, SQLAlchemyError):
+        return EXIT_STORE, f"database error at {obj.where()}: {_one_line(exc)}"
+    return EXIT_BUG, (
+        f"unexpected {type(exc).__name__}: {_one_line(exc)} (a bug in outbox; rerun with "
+        "--debug and report the traceback)"
+    )
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_one_line(exc)}"
+
+
+def _is_connect(exc: Any) -> bool:
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "connect" in text or "authentication" in text or "password" in text
+
+
+def fail(code: int, message: str) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def command(
+    group: click.Group, name: str | None = None, *, reads: bool = False, **attrs: Any
+) -> Callable[[F], F]:
+    """Make ``fn(obj, **options)`` a command of ``group`` with the shared options; any
+    exception it raises ends the process with one line and the documented exit code
+    (``--debug``: the traceback first).
+
+    ``reads``: the command only reads the database (and never dispatches): logging is
+    not set up, so structlog is not imported (the library logs only while dispatching;
+    tests/acceptance/test_cli_startup.py pins what a read imports)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            obj = click.get_current_context().find_object(Context)
+            if not reads and obj is not None:
+                obj.configure_logs()
+            try:
+                return fn(obj, *args, **kwargs)
+            except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort):
+                raise
+            except BrokenPipeError:
+                # `outbox reconcile list | head`: the reader left; say nothing more.
+                # (Python's documented way: stdout to /dev/null, so the exit flush is quiet.)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                sys.exit(EXIT_REFUSED)
+            except BaseException as exc:
+                if isinstance(exc, SystemExit):
+                    raise
+                if obj is not None and obj.debug:
+                    traceback.print_exception(exc, file=sys.stderr)
+                if isinstance(exc, click.UsageError):
+                    raise
+                fail(*failure(exc, obj))
+
+        return group.command(name, **attrs)(shared_options(run))  # type: ignore[return-value]
+
+    return decorate
+
+
+class OutboxGroup(click.Group):
+    """A click group whose usage errors are one line too (and a pointer to --help)."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "outbox"
+            fail(exc.exit_code, f"{_one_line(exc.format_message())} (see: {where} --help)")
+        except click.ClickException as exc:
+            fail(exc.exit_code, _one_line(exc.format_message()))
+        except click.Abort:
+            fail(EXIT_REFUSED, "aborted; nothing was changed")
+        sys.exit(result if isinstance(result, int) else EXIT_OK)
+
+
+class DurationType(click.ParamType):  # type: ignore[type-arg]
+    """``90s``, ``30m``, ``1h30m``, ``12h``, ``30d``, ``2w``."""
+
+    name = "duration"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        from outbox.durations import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValidationError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = DurationType()
