@@ -392,7 +392,8 @@ def dispatch(
         raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
     if processes is not None:
         if once or until_empty:
-            raise click.UsageError("--once or --until-empty and --processes do not go together")
+            flag = "--once" if once else "--until-empty"
+            raise click.UsageError(f"{flag} and --processes do not go together")
         if metrics_port is not None:
             raise click.UsageError(
                 "--metrics-port and --processes do not go together: each process would "

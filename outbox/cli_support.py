@@ -294,8 +294,8 @@ def command(
     (``--debug``: the traceback first).
 
     ``reads``: the command only reads the database (and never dispatches): logging is
-    not set up, so structlog is not imported (the library logs only while dispatching;
-    tests/acceptance/test_cli_startup.py pins what a read imports)."""
+    not set up (the library's loggers stay quiet; tests/acceptance/test_cli_startup.py
+    pins what a read imports)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
