@@ -14,10 +14,12 @@ from sqlalchemy import Engine, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from outbox.errors import StoreError
-from outbox.store import changes, writelock
 from outbox.store.base import Store
+from outbox.store.changes import ChangeSource, SqliteWatch, local_key
+from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
-from outbox.store.tables import operations as o
+from outbox.store.tables import operations
+from outbox.store.writelock import held_by_caller
 
 #: ``Store._due_ids`` for SQLite, pinned to the partial due index.
 _DUE_SQL = """
@@ -37,22 +39,28 @@ class SqliteStore(Store):
     dialect = "sqlite"
 
     def _insert_ignoring_duplicate(self) -> Any:
-        return sqlite_insert(o).on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
+        statement = sqlite_insert(operations)
+        return statement.on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
 
     def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
         # INDEXED BY: SQLite never gathers planner statistics on its own, and without them
         # it walks ix_outbox_operations_state_updated and sorts every due row: 2 s per
         # claim at a million due rows, against 5 ms through the partial due index.
         sql = text(_DUE_SQL).bindparams(now_ms=now_ms, limit=limit)
-        due = sql.columns(o.c.id).scalar_subquery()
-        return update(o).where(o.c.id.in_(due)).values(values).returning(*self._CLAIMED_COLUMNS)
+        due = sql.columns(operations.c.id).scalar_subquery()
+        return (
+            update(operations)
+            .where(operations.c.id.in_(due))
+            .values(values)
+            .returning(*self._CLAIMED_COLUMNS)
+        )
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
         self._lock_key = lock_key(engine.url)
 
     def caller_holds_write_lock(self) -> bool:
-        return self._lock_key is not None and writelock.held_by_caller(self._lock_key)
+        return self._lock_key is not None and held_by_caller(self._lock_key)
 
     def preflight(self) -> None:
         """Refuse a world-readable file; run ``PRAGMA quick_check``."""
@@ -66,16 +74,14 @@ class SqliteStore(Store):
     @functools.cached_property
     def _wake_key(self) -> str | None:
         path = sqlite_path(self.engine.url)
-        return changes.local_key(path) if path is not None else None
+        return local_key(path) if path is not None else None
 
     def announce(self) -> None:
-        changes.announce(self._wake_key)
+        announce_change(self._wake_key)
 
-    def change_source(
-        self, *, application_name: str, interval: float
-    ) -> changes.ChangeSource | None:
+    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
         path = sqlite_path(self.engine.url)
-        return changes.SqliteWatch(path, interval=interval) if path is not None else None
+        return SqliteWatch(path, interval=interval) if path is not None else None
 
     def database_bytes(self) -> int | None:
         """The file's size plus its write-ahead log's."""

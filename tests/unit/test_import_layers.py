@@ -130,7 +130,6 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, str, str]] = frozenset(
         ("outbox.store.commit", "outbox.store.base", "type-checking"),
         ("outbox.store.engine", "outbox.store.migrate", "lazy"),
         ("outbox.store.engine", "outbox.store", "module"),
-        ("outbox.store.sqlite", "outbox.store", "module"),
         ("outbox.transaction", "outbox.client", "type-checking"),
     }
 )
