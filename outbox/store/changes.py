@@ -25,11 +25,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import structlog
 from sqlalchemy import Engine, func, literal
 from sqlalchemy.sql.elements import ColumnElement
 
-logger = structlog.get_logger("outbox.wakeup")
+
+def _logger() -> Any:
+    # Imported when a listener logs, not with the store: reading an outbox (the operator's
+    # commands) never loads structlog (tests/acceptance/test_cli_startup.py).
+    import structlog
+
+    return structlog.get_logger("outbox.wakeup")
+
 
 #: Called with the reason: "listening" (after each (re)connect), "notified", "changed",
 #: "local". Runs on the dispatcher's event loop.
@@ -111,7 +117,7 @@ class PostgresListener:
             except psycopg.Error as exc:
                 self.backend_pid = None
                 backoff = min(backoff * 2 if backoff else 0.1, MAX_RECONNECT_SECONDS)
-                logger.warning(
+                _logger().warning(
                     "listener_lost",
                     error=type(exc).__name__,
                     detail=str(exc).splitlines()[0][:200] if str(exc) else "",
@@ -131,7 +137,7 @@ async def _close_quietly(conn: Any) -> None:
     try:
         await conn.close()
     except Exception as exc:  # a dead connection may complain on close
-        logger.debug("listener_close_failed", error=type(exc).__name__)
+        _logger().debug("listener_close_failed", error=type(exc).__name__)
 
 
 # --------------------------------------------------------------------------- SQLite

@@ -3,9 +3,8 @@
 Start-up time is mostly imports, and timing is not a test on a shared machine (the
 figures live in ``benchmarks/cli_startup.py``). So this pins *which modules* a fresh
 process has loaded after running ``outbox status`` / ``show`` / ``reconcile list|show``:
-not httpx, aiohttp, anyio, tenacity, Alembic (no migration on read), nor the
-dispatcher, the transport or the status lookup. (structlog is not on the list: the
-store's wake-up module, ``outbox.store.changes``, imports it.)
+not httpx, aiohttp, anyio, tenacity, Alembic (no migration on read), structlog (no
+logging on read), nor the dispatcher, the transport or the status lookup.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ NOT_ON_READ = (
     "anyio",
     "tenacity",
     "alembic",
+    "structlog",
     "outbox.dispatch",
     "outbox.transport",
     "outbox.lookup",
