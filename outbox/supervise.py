@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
-import structlog
+from outbox.logs import get_logger
 
-logger = structlog.get_logger("outbox.supervise")
+logger = get_logger("outbox.supervise")
 
 #: A child that lived this long resets its slot's restart backoff.
 STABLE_SECONDS = 30.0
@@ -176,8 +176,12 @@ class Supervisor:
         lived = now - slot.started
         if code == EXIT_USAGE and lived < STABLE_SECONDS:
             # A configuration or usage error: every restart would fail the same way.
-            logger.error("dispatcher_process_failed", slot=slot.index, exit_code=code,
-                         detail="usage error at start-up; stopping every process")
+            logger.error(
+                "dispatcher_process_failed",
+                slot=slot.index,
+                exit_code=code,
+                detail="usage error at start-up; stopping every process",
+            )
             self._fatal = code
             self._stopping = True
             self._forward()
@@ -188,8 +192,13 @@ class Supervisor:
             slot.backoff * 2 if slot.backoff else FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS
         )
         slot.restart_at = now + slot.backoff
-        logger.warning("dispatcher_process_exited", slot=slot.index, exit_code=code,
-                       lived_seconds=round(lived, 1), restart_in_seconds=slot.backoff)
+        logger.warning(
+            "dispatcher_process_exited",
+            slot=slot.index,
+            exit_code=code,
+            lived_seconds=round(lived, 1),
+            restart_in_seconds=slot.backoff,
+        )
 
     @property
     def exit_status(self) -> int:

@@ -23,12 +23,11 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import structlog
-
 from outbox.clock import Clock
+from outbox.logs import get_logger
 from outbox.store.changes import ChangeSource
 
-logger = structlog.get_logger("outbox.wakeup")
+logger = get_logger("outbox.wakeup")
 
 #: Observes every wake-up event by name (see :class:`WakeStats`); runs on the loop.
 Hook = Callable[[str], None]

@@ -31,10 +31,11 @@ from sqlalchemy.sql.elements import ColumnElement
 
 def _logger() -> Any:
     # Imported when a listener logs, not with the store: reading an outbox (the operator's
-    # commands) never loads structlog (tests/acceptance/test_cli_startup.py).
-    import structlog
+    # commands) never loads structlog (tests/acceptance/test_cli_startup.py). The library's
+    # own logger (stdlib logging under "outbox"), never structlog's global one.
+    from outbox.logs import get_logger
 
-    return structlog.get_logger("outbox.wakeup")
+    return get_logger("outbox.wakeup")
 
 
 #: Called with the reason: "listening" (after each (re)connect), "notified", "changed",

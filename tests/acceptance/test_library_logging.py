@@ -174,3 +174,15 @@ def test_warning_level_keeps_only_warnings(tmp_path: Path, receiver: Receiver) -
     assert done.returncode == 0, done.stderr
     # A dropped connection is a retry (INFO), not a warning: nothing at WARNING here.
     assert done.stdout == ""
+
+
+def test_no_module_logs_through_structlogs_global_configuration() -> None:
+    """Every library logger comes from ``outbox.logs.get_logger``: a module that took
+    ``structlog.get_logger()`` would print on the application's stdout by default."""
+    package = Path(__file__).resolve().parents[2] / "outbox"
+    offenders = [
+        str(path.relative_to(package.parent))
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "logs.py" and "structlog.get_logger" in path.read_text()
+    ]
+    assert offenders == []
