@@ -205,6 +205,13 @@ class Dispatcher:
             self._db.shutdown(wait=False)
             raise
         writer = asyncio.create_task(self._write_outcomes())
+        if failpoints.armed():
+            self._log.warning("failpoints_armed", points=failpoints.armed(),
+                              detail="fault injection is on: this process may kill itself")
+        elif failpoints.ignored_spec():
+            self._log.warning("failpoints_ignored",
+                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
+                              "is not; no failpoint is armed")
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
         if not once:

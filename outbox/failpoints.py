@@ -1,6 +1,10 @@
-"""Named fault-injection points, off unless ``OUTBOX_FAILPOINTS`` is set.
+"""Named fault-injection points for tests: off unless explicitly armed.
 
-``OUTBOX_FAILPOINTS="after_attempt_commit=kill:0.01,after_response=pause:3@0.2"``
+``OUTBOX_FAILPOINTS="after_attempt_commit=kill:0.01,after_response=pause:3@0.2"`` arms
+them only together with ``OUTBOX_FAILPOINTS_ENABLE=i-understand``: a stray
+``OUTBOX_FAILPOINTS`` in a production environment must not be able to SIGKILL a
+dispatcher. Without the opt-in the spec is ignored (and a dispatcher says so in its
+log); with it, a dispatcher logs ``failpoints_armed`` at warning level when it starts.
 
 * ``kill[:P]``: SIGKILL this process, with probability P (default 1).
 * ``raise[:P]``: raise :class:`FailpointError`, with probability P.
@@ -33,6 +37,9 @@ from dataclasses import dataclass
 
 POINTS = ("after_claim", "after_attempt_commit", "after_response", "after_outcome")
 ENV = "OUTBOX_FAILPOINTS"
+#: Must be set to :data:`ENABLE_VALUE` as well, or ``OUTBOX_FAILPOINTS`` is ignored.
+ENABLE_ENV = "OUTBOX_FAILPOINTS_ENABLE"
+ENABLE_VALUE = "i-understand"
 SEED_ENV = "OUTBOX_FAILPOINTS_SEED"
 LOG_ENV = "OUTBOX_FAILPOINTS_LOG"
 
@@ -83,7 +90,13 @@ def _rng() -> random.Random:
     return random.Random(int(seed)) if seed else random.Random()
 
 
-_ACTIVE: dict[str, Failpoint] = parse(os.environ.get(ENV, ""))
+def _from_environment() -> dict[str, Failpoint]:
+    if os.environ.get(ENABLE_ENV) != ENABLE_VALUE:
+        return {}
+    return parse(os.environ.get(ENV, ""))
+
+
+_ACTIVE: dict[str, Failpoint] = _from_environment()
 _RNG = _rng()
 _COUNTS: dict[str, int] = {}
 
@@ -91,8 +104,21 @@ _COUNTS: dict[str, int] = {}
 def reload() -> None:
     """Re-read the environment (tests set it after import). Drops registered callbacks."""
     global _ACTIVE, _RNG  # noqa: PLW0603
-    _ACTIVE = parse(os.environ.get(ENV, ""))
+    _ACTIVE = _from_environment()
     _RNG = _rng()
+
+
+def armed() -> dict[str, str]:
+    """The armed points and their actions (empty in production)."""
+    return {name: point.action for name, point in _ACTIVE.items()}
+
+
+def ignored_spec() -> str | None:
+    """``OUTBOX_FAILPOINTS`` when it is set but not enabled (and so ignored)."""
+    spec = os.environ.get(ENV, "").strip()
+    if spec and os.environ.get(ENABLE_ENV) != ENABLE_VALUE:
+        return spec
+    return None
 
 
 def register(name: str, callback: Callback, probability: float = 1.0) -> None:

@@ -67,6 +67,8 @@ class DispatcherProcess:
         timeout: float = 2.0,
         window: float = 60.0,
         concurrency: int = 16,
+        failpoints_enabled: bool = True,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.log = log_dir / f"{name}.log"
@@ -81,9 +83,11 @@ class DispatcherProcess:
                 "OUTBOX_TEST_WINDOW": str(window),
                 "OUTBOX_TEST_CONCURRENCY": str(concurrency),
                 failpoints.ENV: failpoint_spec,
+                failpoints.ENABLE_ENV: failpoints.ENABLE_VALUE if failpoints_enabled else "",
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
             }
         )
+        env.update(extra_env or {})
         argv = [sys.executable, "-m", "outbox.cli", "--app", "tests.support.dispatch_app:outbox",
                 "--log-format", "json", "dispatch", "--json"]  # fmt: skip
         self._stderr = self.log.open("wb")

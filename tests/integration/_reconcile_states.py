@@ -121,16 +121,19 @@ def crash_one_attempt(ob: Outbox) -> None:
     The operation stays ``in_flight`` with an open attempt under a live lease, exactly
     as a dispatcher that died mid-attempt leaves it.
     """
-    previous = os.environ.get(failpoints.ENV)
+    names = (failpoints.ENV, failpoints.ENABLE_ENV)
+    previous = {name: os.environ.get(name) for name in names}
     os.environ[failpoints.ENV] = "after_attempt_commit=raise"
+    os.environ[failpoints.ENABLE_ENV] = failpoints.ENABLE_VALUE
     failpoints.reload()
     try:
         ob.dispatch_once()
     finally:
-        if previous is None:
-            os.environ.pop(failpoints.ENV, None)
-        else:
-            os.environ[failpoints.ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         failpoints.reload()
 
 

@@ -321,6 +321,7 @@ class Soak:
             {
                 soak_app.CONFIG_ENV: json.dumps(self.config),
                 failpoints.ENV: fps,
+                failpoints.ENABLE_ENV: failpoints.ENABLE_VALUE,
                 failpoints.SEED_ENV: str(self.s.seed * 100_003 + index),
                 failpoints.LOG_ENV: str(self.failpoint_log),
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
