@@ -20,6 +20,7 @@ from outbox.errors import (
     OutboxError,
     SchemaError,
     StoreError,
+    StoreOutcomeUnknown,
     ValidationError,
     WaitTimeout,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "State",
     "StatusLookup",
     "StoreError",
+    "StoreOutcomeUnknown",
     "SystemClock",
     "TenantScope",
     "ValidationError",

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
@@ -42,9 +42,12 @@ from outbox.model import Operation, State
 from outbox.observe import Instrumentation, combine
 from outbox.store import Store, store_for
 from outbox.store.base import operation_row
+from outbox.store.commit import Key, write_and_commit
 from outbox.store.engine import DEFAULT_URL, create_engine
 from outbox.store.migrate import ensure_schema
 from outbox.transaction import TransactionMethods
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -225,26 +228,62 @@ class Outbox(AsyncMethods, TransactionMethods):
         operation and writes nothing; with other arguments it raises
         :class:`OperationConflict` and writes nothing. Bad input raises
         :class:`ValidationError` before anything is written.
+
+        In its own transaction: returned means committed; :class:`NotStoredError` means
+        provably not stored (enqueue again, with a new ID if you like);
+        :class:`StoreOutcomeUnknown` means the COMMIT failed and its fate could not be
+        established: enqueue again with the *same* operation ID. In the caller's
+        transaction, a failed COMMIT is the caller's own ambiguity: re-running the whole
+        transaction with the same operation ID is the safe recovery.
         """
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is not None:
             return self._enqueue_on(_connection_of(connection), intent)
-        try:
-            with self._own_transaction() as conn:
-                return self._enqueue_on(conn, intent)
-        except NotStoredError:
-            raise
-        except StoreError as exc:
-            raise NotStoredError(f"the operation was not stored: {exc}") from exc
+        op_id, tenant, ordering_key, args = self._validate(intent)
+
+        def work(conn: Connection) -> tuple[Operation, list[Key]]:
+            op, created = self._insert_checked_created(
+                self._joined(conn), op_id, tenant, ordering_key, args
+            )
+            return op, [Key(tenant, op_id, args.args_sha256)] if created else []
+
+        return self._write_own(work)
 
     def enqueue_many(self, intents: Sequence[Intent], *, connection: Any = None) -> list[Operation]:
-        """Enqueue several operations in one transaction: all are stored, or none."""
+        """Enqueue several operations in one transaction: all are stored, or none.
+
+        Without ``connection`` the same guarantees as :meth:`enqueue` hold for the
+        batch as a whole: ``NotStoredError`` means none was stored;
+        ``StoreOutcomeUnknown`` means the COMMIT's fate could not be established, and
+        the whole batch should be enqueued again with the same operation IDs.
+        """
         # Validate everything first: a bad item must not leave the others half-done.
         checked = [self._validate(intent) for intent in intents]
         if connection is not None:
             return self._enqueue_many_on(_connection_of(connection, "enqueue_many"), checked)
-        with self._own_transaction() as conn:
-            return self._enqueue_many_on(conn, checked)
+
+        def work(conn: Connection) -> tuple[list[Operation], list[Key]]:
+            return self._enqueue_many_created(conn, checked)
+
+        return self._write_own(work)
+
+    def _write_own(self, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
+        """Run ``work`` in enqueue's own transaction and commit it; a failed COMMIT is
+        resolved (``outbox.store.commit``), never reported as "not stored" unproven."""
+        self._refuse_if_caller_holds_the_lock()
+        if type(self)._own_transaction is not Outbox._own_transaction:
+            # A subclass decides where its own-transaction writes go and commits them
+            # itself (outbox.contrib.django: on Django's connection).
+            try:
+                with self._own_transaction() as conn:
+                    return work(conn)[0]
+            except NotStoredError:
+                raise
+            except StoreError as exc:
+                raise NotStoredError(f"the operation was not stored: {exc}") from exc
+        result = write_and_commit(self.store, work)
+        self.store.announce()  # committed: wake this process's dispatchers (SQLite)
+        return result
 
     @contextmanager
     def _own_transaction(self) -> Iterator[Connection]:
@@ -274,6 +313,12 @@ class Outbox(AsyncMethods, TransactionMethods):
     ) -> list[Operation]:
         """One multi-row INSERT for the new keys; keys already stored (or repeated within
         the batch) take enqueue's one-by-one path: the same result or OperationConflict."""
+        return self._enqueue_many_created(conn, checked)[0]
+
+    def _enqueue_many_created(
+        self, conn: Connection, checked: list[tuple[str, str, str | None, Any]]
+    ) -> tuple[list[Operation], list[Key]]:
+        """:meth:`_enqueue_many_on`, and the keys this call created."""
         conn = self._joined(conn)
         now = self.clock.now_ms()
         traceparent = self._traceparent()
@@ -293,9 +338,11 @@ class Outbox(AsyncMethods, TransactionMethods):
             ],
         )
         ops: list[Operation] = []
+        created: list[Key] = []
         for op_id, tenant, ordering_key, args in checked:
             pk = inserted.pop((tenant, op_id), None)
             if pk is not None:
+                created.append(Key(tenant, op_id, args.args_sha256))
                 ops.append(
                     self._new_operation(
                         pk,
@@ -308,7 +355,7 @@ class Outbox(AsyncMethods, TransactionMethods):
                 )
             else:
                 ops.append(self._insert_checked(conn, op_id, tenant, ordering_key, args))
-        return ops
+        return ops, created
 
     def _validate(self, intent: Intent) -> tuple[str, str, str | None, Any]:
         op_id = intent.operation_id if intent.operation_id is not None else str(uuid.uuid4())
@@ -373,6 +420,12 @@ class Outbox(AsyncMethods, TransactionMethods):
     def _insert_checked(
         self, conn: Connection, op_id: str, tenant: str, ordering_key: str | None, args: Any
     ) -> Operation:
+        return self._insert_checked_created(conn, op_id, tenant, ordering_key, args)[0]
+
+    def _insert_checked_created(
+        self, conn: Connection, op_id: str, tenant: str, ordering_key: str | None, args: Any
+    ) -> tuple[Operation, bool]:
+        """The operation, and whether this call created it (False: it was stored before)."""
         now = self.clock.now_ms()
         inserted = self.store.insert_operation(
             conn,
@@ -392,7 +445,7 @@ class Outbox(AsyncMethods, TransactionMethods):
                 ordering_key=ordering_key,
                 args=args,
                 now=now,
-            )
+            ), True
         if inserted.args_sha256 != args.args_sha256:
             raise OperationConflict(
                 f"operation {op_id!r} (tenant {tenant!r}) is already stored with different "
@@ -402,7 +455,7 @@ class Outbox(AsyncMethods, TransactionMethods):
                 operation_id=op_id,
             )
         # Read on the same connection: the row may be the caller's own, uncommitted.
-        return self.store.operation_on(conn, tenant, op_id)
+        return self.store.operation_on(conn, tenant, op_id), False
 
     # -- reads --------------------------------------------------------------------
 

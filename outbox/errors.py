@@ -11,8 +11,16 @@ Every exception derives from :class:`OutboxError`::
     ├── OperatorActionRefused   an operator command does not apply in the current state
     │   └── ConcurrentModification  someone else changed the operation first
     └── StoreError              the database failed or refused; the write did not happen
-        ├── NotStoredError      enqueue could not be stored (e.g. the database is locked)
+        │                       (except StoreOutcomeUnknown, below)
+        ├── NotStoredError      enqueue was provably not stored (e.g. the database is
+        │                       locked, or the transaction failed before COMMIT)
+        ├── StoreOutcomeUnknown enqueue's COMMIT failed and whether it took effect could
+        │                       not be established: re-enqueue with the *same* operation
+        │                       ID (idempotent), never with a new one
         └── SchemaError         the schema is missing or older than this code
+
+``StoreOutcomeUnknown`` is deliberately not a ``NotStoredError``: a caller that treats
+"not stored" as "enqueue a new operation" must not do so when the row may exist.
 
 Delivery failures (timeouts, 5xx, refused connections) are never raised out of the
 dispatcher: they are recorded as attempt outcomes.
@@ -69,6 +77,20 @@ class StoreError(OutboxError):
 
 class NotStoredError(StoreError):
     """An operation could not be stored; the caller must treat it as not enqueued."""
+
+
+class StoreOutcomeUnknown(StoreError):
+    """enqueue's own COMMIT failed, and the database could not say whether it applied.
+
+    The operation may be stored (and will then be sent). Retry ``enqueue`` with the same
+    operation ID(s): that returns the stored operation if it exists and stores it if not.
+    Never mint a new operation ID for it, and never compensate as if it did not happen.
+    """
+
+    def __init__(self, message: str, *, keys: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        #: (tenant, operation ID) of each operation whose fate is unknown.
+        self.keys = keys
 
 
 class SchemaError(StoreError):

@@ -40,6 +40,7 @@ from outbox.model import (
     Verdict,
 )
 from outbox.store.changes import ChangeSource
+from outbox.store.commit import TxStatus
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -148,6 +149,14 @@ class Store:
                 select(func.min(o.c.next_attempt_at)).where(DUE, o.c.next_attempt_at > now_ms)
             ).scalar()
         return int(value) if value is not None else None
+
+    def transaction_marker(self, conn: Connection) -> str | None:
+        """An ID of the open transaction that outlives its connection (PostgreSQL)."""
+        return None
+
+    def commit_status(self, marker: str) -> TxStatus:
+        """What became of the transaction ``transaction_marker`` named."""
+        return TxStatus.UNKNOWN
 
     # -- enqueue ------------------------------------------------------------------
 

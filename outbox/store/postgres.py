@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, literal, select, update
+from sqlalchemy import Connection, func, literal, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
+from outbox.store.commit import TxStatus
 from outbox.store.tables import operations as o
 
 
@@ -60,3 +61,17 @@ class PostgresStore(Store):
 
     def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
         return PostgresListener(self.engine, application_name=application_name)
+
+    def transaction_marker(self, conn: Connection) -> str | None:
+        # Assigns the transaction its ID now; the INSERT that follows would anyway.
+        return str(conn.execute(text("SELECT pg_current_xact_id()::text")).scalar_one())
+
+    def commit_status(self, marker: str) -> TxStatus:
+        with self.read() as conn:
+            value = conn.execute(
+                text("SELECT pg_xact_status(CAST(:xid AS xid8))"), {"xid": marker}
+            ).scalar()
+        try:
+            return TxStatus(value)
+        except ValueError:
+            return TxStatus.UNKNOWN  # NULL: too old to be known (wrapped around)

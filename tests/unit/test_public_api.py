@@ -49,3 +49,6 @@ def test_errors_form_one_tree() -> None:
     assert issubclass(outbox.ValidationError, ValueError)
     assert issubclass(outbox.SchemaError, outbox.StoreError)
     assert issubclass(outbox.NotStoredError, outbox.StoreError)
+    # "Unknown" must never be mistaken for "not stored" by an except NotStoredError.
+    assert issubclass(outbox.StoreOutcomeUnknown, outbox.StoreError)
+    assert not issubclass(outbox.StoreOutcomeUnknown, outbox.NotStoredError)

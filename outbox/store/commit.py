@@ -1,0 +1,179 @@
+"""enqueue's own transaction: tell "not stored" from "the COMMIT's fate is unknown".
+
+A failure *before* COMMIT is sent leaves nothing behind: the transaction rolls back.
+A failure *of* COMMIT is different: the connection can drop after PostgreSQL applied the
+COMMIT but before its answer arrived, and a caller told "not stored" would enqueue again
+(a second operation, a second effect) or compensate for an effect that happened.
+
+So when COMMIT itself fails, reconnect and establish the outcome:
+
+* PostgreSQL: the transaction's ID, read before COMMIT, is looked up with
+  ``pg_xact_status``: ``committed`` or ``aborted`` is the database's own word. While it
+  is ``in progress`` (the server has not yet noticed the lost client), ask again.
+* SQLite: a local file and a closed connection; once the failed connection is gone its
+  transaction cannot commit later, so a row that is absent is provably not stored.
+* In both, the rows are then looked up by (tenant, operation ID) and arguments hash.
+
+Found: the operations are returned as stored. Provably absent: ``NotStoredError``. Not
+established within :data:`COMMIT_CHECK_SECONDS` (the database stays unreachable, the
+transaction stays in progress): ``StoreOutcomeUnknown``, whose message tells the caller to
+enqueue again with the *same* operation ID, which is safe because enqueue is idempotent.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import structlog
+from sqlalchemy import Connection, select
+from sqlalchemy.exc import DBAPIError
+
+from outbox.errors import NotStoredError, StoreError, StoreOutcomeUnknown
+from outbox.store.tables import operations as o
+
+if TYPE_CHECKING:
+    from outbox.store.base import Store
+
+logger = structlog.get_logger("outbox.store")
+
+T = TypeVar("T")
+
+#: How long enqueue keeps trying to establish the outcome of a failed COMMIT before it
+#: raises StoreOutcomeUnknown (reconnecting with backoff meanwhile).
+COMMIT_CHECK_SECONDS = 10.0
+
+
+class TxStatus(enum.Enum):
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    IN_PROGRESS = "in progress"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One operation the transaction created: what to look for after a failed COMMIT."""
+
+    tenant: str
+    operation_id: str
+    args_sha256: str
+
+
+def _not_stored(exc: BaseException) -> NotStoredError:
+    detail = getattr(exc, "orig", None) or exc
+    return NotStoredError(f"the operation was not stored: {detail}")
+
+
+def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
+    """Run ``work`` in a write transaction of its own and commit it.
+
+    ``work`` returns its result and the keys of the operations it *created* (not those
+    it found already stored). Failures before COMMIT raise ``NotStoredError``; a failed
+    COMMIT is resolved as described in the module docstring.
+    """
+    try:
+        conn = store.engine.connect()
+    except DBAPIError as exc:
+        raise _not_stored(exc) from exc
+    marker: str | None = None
+    try:
+        try:
+            conn.begin()
+            marker = store.transaction_marker(conn)
+            result, created = work(conn)
+        except NotStoredError:
+            raise
+        except (DBAPIError, StoreError) as exc:
+            raise _not_stored(exc) from exc
+        try:
+            conn.commit()
+        except DBAPIError as exc:
+            commit_error: DBAPIError = exc
+        else:
+            return result
+    finally:
+        # Closing rolls back whatever is still open; on a dead connection it discards it.
+        # After this, the failed transaction can no longer commit from this side.
+        try:
+            conn.close()
+        except DBAPIError:  # pragma: no cover - close of a broken connection
+            conn.invalidate()
+    if not created:
+        # Nothing new was written: the operations were already stored before.
+        return result
+    logger.warning(
+        "enqueue_commit_failed",
+        error=type(commit_error.orig or commit_error).__name__,
+        operations=len(created),
+        detail="establishing whether the COMMIT took effect",
+    )
+    if resolve_commit(store, marker, created, commit_error):
+        return result
+    raise NotStoredError(
+        f"the operation was not stored: COMMIT failed ({commit_error.orig}) and the "
+        "database confirms the transaction did not commit"
+    ) from commit_error
+
+
+def resolve_commit(
+    store: Store, marker: str | None, created: Sequence[Key], error: BaseException
+) -> bool:
+    """True: committed (every created key is stored with its arguments); False: provably
+    not committed. Raises StoreOutcomeUnknown when neither can be established."""
+    deadline = time.monotonic() + COMMIT_CHECK_SECONDS
+    delay = 0.05
+    last: str = "no answer yet"
+    while True:
+        try:
+            status = store.commit_status(marker) if marker is not None else TxStatus.UNKNOWN
+            found = _find(store, created)
+        except DBAPIError as exc:
+            last = f"{type(exc.orig or exc).__name__}: {str(exc.orig or exc).strip()[:200]}"
+        else:
+            everything = found == len(created)
+            if status is TxStatus.COMMITTED and everything:
+                return True
+            if status is TxStatus.ABORTED and found == 0:
+                return False
+            if marker is None:
+                # SQLite: the failed connection is closed, so what is there is final.
+                if everything:
+                    return True
+                if found == 0:
+                    return False
+            last = f"transaction {status.value}, {found} of {len(created)} operation(s) found"
+            if status is TxStatus.COMMITTED and not everything:
+                break  # committed yet rows missing or different: do not guess
+        if time.monotonic() + delay > deadline:
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+    keys = tuple((k.tenant, k.operation_id) for k in created)
+    named = ", ".join(repr(op_id) for _, op_id in keys[:5]) + (" ..." if len(keys) > 5 else "")
+    logger.error("enqueue_outcome_unknown", operations=len(created), detail=last)
+    raise StoreOutcomeUnknown(
+        f"COMMIT failed ({str(getattr(error, 'orig', None) or error).strip()[:200]}) and "
+        f"whether operation(s) {named} were stored could not be established ({last}). They "
+        "may be stored and sent. Enqueue again with the SAME operation ID(s): that returns "
+        "them if stored and stores them if not. Do not use a new operation ID.",
+        keys=keys,
+    ) from error
+
+
+def _find(store: Store, created: Sequence[Key]) -> int:
+    """How many of ``created`` are stored with the same arguments hash."""
+    found = 0
+    with store.read() as conn:
+        for key in created:
+            sha = conn.execute(
+                select(o.c.args_sha256).where(
+                    o.c.tenant == key.tenant, o.c.operation_id == key.operation_id
+                )
+            ).scalar()
+            if sha == key.args_sha256:
+                found += 1
+    return found
