@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from outbox import failpoints, heartbeat
 from outbox.clock import Clock, OffsetClock
@@ -50,6 +50,12 @@ _UNKNOWN_ENDPOINT_DELAY_MS = 60_000
 _DEFAULT_WINDOW_MS = RetryPolicy().window_ms
 #: The longest wait between claims while the database refuses them.
 _MAX_STORE_BACKOFF_SECONDS = 5.0
+#: Outcome writes that fail on a transient database error are retried, with backoff
+#: from the first to the max delay, at most this many times and only while the lease
+#: of one of the batch's operations still holds.
+_OUTCOME_TRIES = 30
+_OUTCOME_RETRY_FIRST_SECONDS = 0.1
+_OUTCOME_RETRY_MAX_SECONDS = 2.0
 
 
 @dataclass
@@ -132,6 +138,8 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         # pk -> the names the log binds, for the operations this dispatcher holds.
         self._names: dict[int, dict[str, Any]] = {}
+        # pk -> when its lease ends, on the monotonic clock (bounds outcome-write retries).
+        self._lease_ends: dict[int, float] = {}
         self._last_clock_sync = clock.monotonic()
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
         #: time.monotonic() of the last database call that answered (for /readyz).
@@ -414,6 +422,8 @@ class Dispatcher:
         for pk in set(to_send) - {s.pk for s in started}:
             self._names.pop(pk, None)
         self._observe.attempts_begun(batch, started, now)
+        for begun in started:
+            self._lease_ends[begun.pk] = claimed_mono + self.lease_seconds
         return [
             _Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds,
                   batch)
@@ -542,6 +552,7 @@ class Dispatcher:
             # next claim records it as unknown; nothing is lost or resent early.
             log.exception("attempt_crashed", error=type(exc).__name__)
             self._names.pop(c.pk, None)
+            self._lease_ends.pop(c.pk, None)
             self._release_slot(1)
 
     def _lease_left(self, work: _Work) -> float:
@@ -634,15 +645,7 @@ class Dispatcher:
                     done = True
                     break
                 batch.append(item)
-            try:
-                written = await self._run_db(
-                    self.store.record_outcomes, now_ms=self.clock.now_ms(), outcomes=batch
-                )
-            except Exception:
-                # The database is unavailable: the leases will expire and another claim
-                # records these attempts as unknown. Nothing is resent before that.
-                self._log.exception("outcome_write_failed", count=len(batch))
-                written = set()
+            written = await self._record_outcomes(batch)
             now = self.clock.now_ms()
             for out in batch:
                 self._observe.outcome(out, applied=out.pk in written, now_ms=now)
@@ -653,6 +656,39 @@ class Dispatcher:
                     self._maybe_look_up(out, names)
             await failpoints.hit("after_outcome")
             self._release_slot(len(batch))
+
+    async def _record_outcomes(self, batch: list[AttemptOutcome]) -> set[int]:
+        """Write a batch of outcomes; retry a transient database failure while a lease
+        of the batch still holds (each write is fenced, so a late retry changes nothing).
+
+        Given up, the leases expire and the next claim closes these attempts as unknown;
+        nothing is resent before that, but the outcome is lost, so we try hard first.
+        """
+        delay = _OUTCOME_RETRY_FIRST_SECONDS
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return await self._run_db(
+                    self.store.record_outcomes, now_ms=self.clock.now_ms(), outcomes=batch
+                )
+            except Exception as exc:
+                lease_left = max(
+                    (self._lease_ends.get(out.pk, 0.0) for out in batch), default=0.0
+                ) - self.clock.monotonic()
+                if not _transient(exc) or lease_left < delay + 1.0 or tries >= _OUTCOME_TRIES:
+                    # The leases will expire and another claim records these attempts
+                    # as unknown. Nothing is resent before that.
+                    self._log.error("outcome_write_failed", count=len(batch), tries=tries,
+                                    error=type(exc).__name__, detail=_detail(exc),
+                                    transient=_transient(exc))  # fmt: skip
+                    return set()
+                self._log.warning("outcome_write_retry", count=len(batch), tries=tries,
+                                  error=type(exc).__name__, detail=_detail(exc),
+                                  retry_in_seconds=delay,
+                                  lease_left_seconds=round(lease_left, 3))  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _OUTCOME_RETRY_MAX_SECONDS)
 
     def _maybe_look_up(self, out: AttemptOutcome, names: dict[str, Any]) -> None:
         """Ask the receiver about an operation that just became unresolved, if it can be asked."""
@@ -691,6 +727,7 @@ class Dispatcher:
             self.summary.succeeded += 1
 
     def _log_transition(self, out: AttemptOutcome, *, applied: bool) -> dict[str, Any]:
+        self._lease_ends.pop(out.pk, None)
         names = self._names.pop(out.pk, {"operation_pk": out.pk})
         log = self._log.bind(request_id=out.request_id, **names)
         if not applied:
@@ -716,6 +753,21 @@ class Dispatcher:
 _NOT_TRIED = frozenset(
     {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
 )
+
+
+def _transient(exc: BaseException) -> bool:
+    """A database failure worth retrying: the connection, a lock, a restart."""
+    if isinstance(exc, StoreError):
+        exc = exc.__cause__ or exc
+    if isinstance(exc, DBAPIError):
+        return exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)
+    return isinstance(exc, StoreError)
+
+
+def _detail(exc: BaseException) -> str:
+    """An error's message for the log, without statement parameters."""
+    orig = getattr(exc, "orig", None) or getattr(exc.__cause__, "orig", None)
+    return str(orig or exc).strip().splitlines()[0][:300] if str(orig or exc).strip() else ""
 
 
 def _json_headers(text: str) -> dict[str, str]:

@@ -114,7 +114,10 @@ class PgProxy:
         self._stopping = True
         self._flowing.set()
         with suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress
+        with suppress(OSError):
             self._listener.close()
+        self._thread.join(5)
         self.cut_all()
 
     # -- plumbing -------------------------------------------------------------------

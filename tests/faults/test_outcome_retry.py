@@ -1,0 +1,131 @@
+"""An outcome write that hits a transient database failure is retried, not dropped.
+
+Dropping it is safe (the lease expires, the next claim closes the attempt as unknown
+and the receiver replays the retry) but costs a resend and turns a known outcome into
+an unknown one. So while the lease holds, the dispatcher retries with backoff.
+
+PostgreSQL: a TCP proxy cuts every connection of the dispatcher while it holds a
+response, and refuses new ones until the dispatcher has failed at least twice.
+SQLite: another process holds the write lock past the busy timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+from tenacity import wait_fixed
+
+from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State, failpoints
+from outbox.store.engine import create_engine
+from outbox.store.migrate import upgrade
+from outbox.testing.receiver import Receiver
+from tests.faults.pgproxy import pg_proxy
+from tests.faults.support import Hold, until
+from tests.faults.test_store_faults import WriteLock, _db_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(tmp_path / "receiver.sqlite3") as rx:
+        yield rx
+
+
+@pytest.fixture(autouse=True)
+def _no_failpoints() -> Iterator[None]:
+    failpoints.clear()
+    yield
+    failpoints.clear()
+
+
+def _outbox(url: str, receiver: Receiver) -> Outbox:
+    endpoint = Endpoint(name="receiver", base_url=receiver.url, timeout=2.0,
+                        retry=RetryPolicy(window=timedelta(minutes=5), wait=wait_fixed(0.1)),
+                        key_retention=timedelta(hours=1))  # fmt: skip
+    settings = DispatcherSettings(lease_seconds=30.0, idle_poll_seconds=0.05)
+    return Outbox(url, endpoints=[endpoint], dispatcher=settings)
+
+
+class _Running:
+    """A dispatcher in thread ``dispatcher-A`` (the thread Hold acts in)."""
+
+    def __init__(self, ob: Outbox) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ob,), name="dispatcher-A")
+        self.summary: Any = None
+        self.thread.start()
+
+    def _run(self, ob: Outbox) -> None:
+        self.summary = ob.run_dispatcher(stop=self.stop)
+
+    def join(self) -> Any:
+        self.stop.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+        return self.summary
+
+
+def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in list(logs) if e.get("event") == name]
+
+
+def _assert_one_attempt_recorded(ob: Outbox, receiver: Receiver, op_id: str) -> None:
+    op = ob.get(op_id)
+    assert op.state is State.SUCCEEDED
+    (attempt,) = op.attempts  # no LeaseExpired attempt, no resend
+    assert attempt.delivery is Delivery.SENT and attempt.status_code == 201
+    assert [r.request_id for r in receiver.requests(key=op_id)] == [attempt.request_id]
+    assert receiver.effect_count(key=op_id) == 1
+
+
+@pytest.mark.postgres
+def test_postgres_connection_lost_during_the_outcome_write_is_retried(
+    pg_url: str, receiver: Receiver
+) -> None:
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    with pg_proxy(pg_url) as proxy, _outbox(proxy.url, receiver) as ob, capture_logs() as logs:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="pg-outcome")  # fmt: skip
+        with Hold("after_response") as hold:
+            running = _Running(ob)
+            assert hold.reached.wait(30)
+            proxy.refuse = True
+            proxy.cut_all()
+            hold.release.set()
+            until(lambda: len(_events(logs, "outcome_write_retry")) >= 2, 30, "two retries")
+            proxy.refuse = False
+            until(lambda: ob.get("pg-outcome").state.is_settled, 30, "the outcome")
+        summary = running.join()
+        assert summary.succeeded == 1 and summary.fenced == 0
+        assert _events(logs, "outcome_write_failed") == []
+        _assert_one_attempt_recorded(ob, receiver, "pg-outcome")
+
+
+def test_sqlite_locked_past_the_busy_timeout_during_the_outcome_write_is_retried(
+    sqlite_url: str, receiver: Receiver
+) -> None:
+    with _outbox(sqlite_url, receiver) as ob, capture_logs() as logs:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="lite-outcome")  # fmt: skip
+        with Hold("after_response") as hold:
+            running = _Running(ob)
+            assert hold.reached.wait(30)
+            with WriteLock(_db_path(sqlite_url)):
+                hold.release.set()
+                until(lambda: _events(logs, "outcome_write_retry"), 30, "a retry")
+            until(lambda: ob.get("lite-outcome").state.is_settled, 30, "the outcome")
+        summary = running.join()
+        assert summary.succeeded == 1 and summary.fenced == 0
+        (retry, *_) = _events(logs, "outcome_write_retry")
+        assert "locked" in retry["detail"]
+        assert _events(logs, "outcome_write_failed") == []
+        _assert_one_attempt_recorded(ob, receiver, "lite-outcome")
