@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from outbox.body import read_body
 from outbox.canonical import check_tenant
 from outbox.errors import ConfigurationError, ValidationError
 from outbox.lookup import LookupResult, LookupStatus, lookup_status
@@ -288,13 +289,7 @@ class _Prober:
                 )
                 response = await self.client.send(request, stream=True)
                 try:
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in response.aiter_bytes():
-                        size += len(chunk)
-                        if size > _MAX_BODY:
-                            break
-                        chunks.append(chunk)
+                    read = await read_body(response, keep=_MAX_BODY, limit=_MAX_BODY)
                 finally:
                     await response.aclose()
         except Exception as exc:
@@ -308,7 +303,7 @@ class _Prober:
             key,
             request_id,
             response.status_code,
-            b"".join(chunks),
+            read.head,
             response.headers,
             None,
             self.endpoint.request_id_header,

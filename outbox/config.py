@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import urlsplit
 
+from outbox.body import DEFAULT_READ_LIMIT
 from outbox.errors import ConfigurationError
 from outbox.model import PolicySnapshot
 
@@ -166,6 +167,11 @@ class Endpoint:
     )
     #: Bytes of a response body kept as evidence; beyond it only a hash is kept.
     result_body_limit: int = 64 * 1024
+    #: Decoded bytes of a response read at most (hashed as they stream; only
+    #: ``result_body_limit`` of them kept). Past it reading stops and the body is
+    #: recorded as at least this big, without a hash: a hostile receiver's endless or
+    #: compressed-bomb body costs neither memory nor more than this much work.
+    read_limit: int = DEFAULT_READ_LIMIT
     #: Maximum pooled connections to this endpoint.
     max_connections: int = 100
     #: Marks a staging or test receiver the conformance checker may send probes to.
@@ -200,6 +206,8 @@ class Endpoint:
             )
         if self.result_body_limit < 0:
             raise ConfigurationError(f"endpoint {self.name!r}: result_body_limit must be >= 0")
+        if self.read_limit < 1:
+            raise ConfigurationError(f"endpoint {self.name!r}: read_limit must be >= 1")
         scope = self.tenant_scope
         if scope is not None:
             try:

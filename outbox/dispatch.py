@@ -535,6 +535,8 @@ class Dispatcher:
                 headers=headers,
                 body=c.body.encode("utf-8") if c.body is not None else None,
                 now_ms=self.clock.now_ms,
+                public_headers=_json_headers(c.headers_json),
+                secret_headers=self._outbox.secret_headers if self._outbox else (),
             )
             self._observe.attempt_sent(traced, result)
             log.info(

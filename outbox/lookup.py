@@ -36,6 +36,7 @@ from urllib.parse import quote
 
 import httpx
 
+from outbox.body import read_body
 from outbox.errors import (
     ConcurrentModification,
     ConfigurationError,
@@ -222,14 +223,9 @@ class StatusLookup:
 
 
 async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The decoded body, or None past ``limit`` (bounded however it is encoded)."""
+    body = await read_body(response, keep=limit, limit=limit)
+    return body.head if body.complete else None
 
 
 async def lookup_status(
@@ -289,8 +285,11 @@ async def lookup_status(
             LookupResult.unknown(f"the lookup answer exceeds {_MAX_LOOKUP_BODY} bytes"),
             http_status=response.status_code,
         )
+    # The body is decoded already: the classifier's copy must not decode it again.
+    framing = ("content-encoding", "content-length", "transfer-encoding")
+    plain = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in framing]
     read = httpx.Response(
-        response.status_code, headers=response.headers, content=body, request=response.request
+        response.status_code, headers=plain, content=body, request=response.request
     )
     try:
         classified = lookup.classify(read)

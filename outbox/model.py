@@ -200,13 +200,16 @@ class Result:
 
     ``body`` has one shape whatever the size: the parsed JSON (or the text) when the
     whole body fits ``result_body_limit``, else None with ``truncated`` set; ``size`` and
-    ``body_sha256`` always describe the whole body.
+    ``body_sha256`` describe the whole body, except past the endpoint's ``read_limit``
+    (reading stopped): then ``body_sha256`` is None and ``size`` is a lower bound.
     """
 
     status_code: int
     headers: dict[str, str]
     body: Any  #: parsed JSON, or text, or None (empty, binary, or over the limit)
-    body_sha256: str
+    #: None when the body was not read to the end (it passed the endpoint's
+    #: ``read_limit``): ``body_size`` is then a lower bound ("at least"), not the size.
+    body_sha256: str | None
     body_size: int
     truncated: bool
 

@@ -9,11 +9,10 @@ so every doubt resolves to "unknown".
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 
 from outbox import sending
+from outbox.body import ACCEPT_ENCODING, Body, read_body
 from outbox.classify import (
     IN_PROGRESS_STATUS,
     MAYBE_APPLIED_STATUSES,
@@ -31,11 +31,12 @@ from outbox.classify import (
 )
 from outbox.config import Endpoint
 from outbox.model import Delivery, ErrorClass, Verdict
+from outbox.redact import Redactor, secrets_sent
 from outbox.store.records import StoredResult
 
-#: Bytes hashed at most from one response body; the rest is not read.
-_MAX_BODY_READ = 64 * 1024 * 1024
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+#: Bytes of a non-success body kept in the attempt's error message.
+_MESSAGE_BYTES = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +95,11 @@ def clean_message(text: str, limit: int = 500) -> str:
     return _CONTROL.sub("?", text.replace("\n", " ").replace("\r", " "))[:limit]
 
 
-def _evidence_headers(endpoint: Endpoint, response: httpx.Response) -> dict[str, str]:
+def _evidence_headers(
+    endpoint: Endpoint, response: httpx.Response, redactor: Redactor
+) -> dict[str, str]:
     return {
-        name: clean_message(response.headers[name], 200)
+        name: clean_message(redactor.text(response.headers[name]), 200)
         for name in endpoint.evidence_headers
         if name in response.headers
     }
@@ -113,28 +116,34 @@ RECEIVER_REQUEST_ID_HEADERS = (
 )
 
 
-def _receiver_request_id(response: httpx.Response, sent_request_id: str | None) -> str | None:
+def _receiver_request_id(
+    response: httpx.Response, sent_request_id: str | None, redactor: Redactor
+) -> str | None:
     """The receiver's own request ID as ``"header: value"``, or None.
 
-    A header that only echoes the request ID we sent is ours, not the receiver's.
+    A header that only echoes the request ID we sent is ours, not the receiver's; one
+    that echoes a credential is redacted.
     """
     for name in RECEIVER_REQUEST_ID_HEADERS:
         value = response.headers.get(name)
         if value and value != sent_request_id:
-            return clean_message(f"{name}: {value}", 255)
+            return clean_message(f"{name}: {redactor.text(value)}", 255)
     return None
 
 
-def _stored_result(endpoint: Endpoint, response: httpx.Response, body: bytes) -> StoredResult:
+def _stored_result(
+    endpoint: Endpoint, response: httpx.Response, body: Body, kept: bytes, redactor: Redactor
+) -> StoredResult:
     """The evidence of a response. The body has one shape whatever its size: the parsed
-    JSON (or the text) when it fits ``result_body_limit``, else None and ``truncated``;
-    size and SHA-256 always cover the whole body."""
-    digest = hashlib.sha256(body).hexdigest()
-    truncated = len(body) > endpoint.result_body_limit
+    JSON (or the text) when it fits ``result_body_limit``, else None and ``truncated``.
+    Size and SHA-256 cover the whole body when it was read to the end; past the
+    endpoint's ``read_limit`` the size is a lower bound and there is no hash.
+    ``kept``: the head of the body, credentials redacted."""
+    truncated = body.truncated or body.size > endpoint.result_body_limit
     stored: str | None = None
-    if body and not truncated:
+    if kept and not truncated:
         try:
-            text = body.decode("utf-8")
+            text = kept.decode("utf-8")
         except UnicodeDecodeError:
             text = None
         if text is not None:
@@ -144,10 +153,10 @@ def _stored_result(endpoint: Endpoint, response: httpx.Response, body: bytes) ->
                 stored = json.dumps(text)
     return StoredResult(
         status=response.status_code,
-        headers_json=json.dumps(_evidence_headers(endpoint, response), sort_keys=True),
+        headers_json=json.dumps(_evidence_headers(endpoint, response, redactor), sort_keys=True),
         body=stored,
-        sha256=digest,
-        size=len(body),
+        sha256=body.sha256,
+        size=body.size,
         truncated=truncated,
     )
 
@@ -174,30 +183,6 @@ def _classifier_failed(exc: BaseException) -> tuple[Classification, str, str]:
         ErrorClass.CLASSIFIER_FAILED.value,
         clean_message(f"the endpoint's classifier raised {type(exc).__name__}: {exc}"),
     )
-
-
-async def _read_body(response: httpx.Response) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > _MAX_BODY_READ:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _redact_credentials(body: bytes, sent: httpx.Headers) -> bytes:
-    """A receiver may echo request headers: never keep the credentials it echoes."""
-    from outbox.canonical import CREDENTIAL_HEADERS
-
-    for name, value in sent.items():
-        if name.lower() not in CREDENTIAL_HEADERS:
-            continue
-        for secret in {value, value.partition(" ")[2]}:
-            if len(secret) >= 8:
-                body = body.replace(secret.encode(), b"[REDACTED]")
-    return body
 
 
 def _stays_home(client: httpx.AsyncClient, request: httpx.Request, path: str) -> bool:
@@ -249,7 +234,10 @@ class _AiohttpStream(httpx.AsyncByteStream):
             raise mapped from exc
 
     async def aclose(self) -> None:
-        self._response.release()
+        if self._response.content.at_eof():
+            self._response.release()  # back to the pool
+        else:
+            self._response.close()  # stopped early (limit, deadline): never reuse it
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -349,6 +337,8 @@ def build_client(
     auth = endpoint.auth if isinstance(endpoint.auth, httpx.Auth) else None
     return httpx.AsyncClient(
         base_url=endpoint.base_url,
+        # Only what outbox.body decodes, incrementally and bounded.
+        headers={"accept-encoding": ACCEPT_ENCODING},
         transport=transport,
         timeout=httpx.Timeout(endpoint.timeout),
         follow_redirects=False,
@@ -395,12 +385,17 @@ async def send_attempt(
     headers: dict[str, str],
     body: bytes | None,
     now_ms: Any,
+    public_headers: Iterable[str] = (),
+    secret_headers: Iterable[str] = (),
 ) -> AttemptResult:
     """Send one attempt under a total deadline and classify the result.
 
     ``now_ms`` is a callable giving the clock's time (for Retry-After dates). An
     endpoint classifier that raises never stops the operation: the attempt is recorded
     as ``unknown`` with the exception named, and retried under the policy.
+    ``public_headers`` names sent headers whose values are not secret (the persisted
+    ones); every other value sent is redacted wherever the receiver echoes it, and so
+    is every header named in ``secret_headers``.
     """
     started = time.monotonic()
     response: httpx.Response | None = None
@@ -421,7 +416,11 @@ async def send_attempt(
                 )
             response = await sending.send(client, request)
             try:
-                raw = await _read_body(response)
+                received = await read_body(
+                    response,
+                    keep=min(max(endpoint.result_body_limit, _MESSAGE_BYTES), endpoint.read_limit),
+                    limit=endpoint.read_limit,
+                )
             finally:
                 await response.aclose()
     except Exception as exc:
@@ -451,7 +450,20 @@ async def send_attempt(
             duration_ms=int((time.monotonic() - started) * 1000),
             result=None,
         )
-    raw = _redact_credentials(raw, response.request.headers)
+    # A receiver may echo request headers: never keep the credentials it echoes.
+    redactor = Redactor(
+        secrets_sent(
+            response.request.headers.multi_items(),
+            public=[*public_headers, endpoint.idempotency_header, endpoint.request_id_header,
+                    *([endpoint.tenant_header] if endpoint.tenant_header else [])],
+            secret_names=secret_headers,
+        )
+    )  # fmt: skip
+    raw = redactor.bytes(received.head, cut_off=received.truncated)
+    kept = redactor.bytes(
+        received.head[: endpoint.result_body_limit],
+        cut_off=received.truncated or len(received.head) > endpoint.result_body_limit,
+    )
     failed_class: str | None = None
     failed_message: str | None = None
     try:
@@ -468,17 +480,18 @@ async def send_attempt(
         )
     keep = classification.verdict in (Verdict.SUCCESS, Verdict.FAILED, Verdict.KEY_CONFLICT)
     if failed_message is None and classification.verdict is not Verdict.SUCCESS:
-        failed_message = clean_message(raw[:300].decode("utf-8", errors="replace"))
+        message_head = redactor.bytes(received.head[:_MESSAGE_BYTES], cut_off=received.truncated)
+        failed_message = clean_message(message_head.decode("utf-8", errors="replace"))
     return AttemptResult(
         classification=classification,
         status_code=response.status_code,
         receiver_request_id=_receiver_request_id(
-            response, response.request.headers.get(endpoint.request_id_header)
+            response, response.request.headers.get(endpoint.request_id_header), redactor
         ),
         error_class=failed_class,
         error_message=failed_message,
         duration_ms=int((time.monotonic() - started) * 1000),
-        result=_stored_result(endpoint, response, raw) if keep else None,
+        result=_stored_result(endpoint, response, received, kept, redactor) if keep else None,
     )
 
 

@@ -1058,7 +1058,7 @@ def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
             status_code=r.result_status,
             headers=json.loads(r.result_headers or "{}"),
             body=body,
-            body_sha256=r.result_sha256 or "",
+            body_sha256=r.result_sha256,
             body_size=r.result_size or 0,
             truncated=bool(r.result_truncated),
         )

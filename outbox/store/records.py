@@ -59,7 +59,9 @@ class StoredResult:
     status: int
     headers_json: str
     body: str | None
-    sha256: str
+    #: None: the body was not read to the end (over the read limit); ``size`` is then
+    #: a lower bound.
+    sha256: str | None
     size: int
     truncated: bool
 

@@ -1,0 +1,117 @@
+"""Keep credentials a receiver echoes back out of the stored evidence.
+
+Receivers echo request headers (debug endpoints, error pages, "your request was ..."
+bodies, a request-ID header set to whatever came in). Every header value the dispatcher
+sent that is not known to be public (the idempotency key, the request ID, the tenant,
+the persisted headers, the transport's own) is treated as a secret: credentials from
+``Endpoint.auth`` (a callable or an ``httpx.Auth``), the endpoint's static headers, and
+anything named in ``Outbox(secret_headers=...)``.
+
+A secret is found in any mix of its literal bytes and JSON escapes (``\\/``, ``\\"``,
+``\\uXXXX`` in either case), and in the decoded forms of ``Basic`` credentials.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Iterable, Mapping
+
+from outbox.canonical import CREDENTIAL_HEADERS
+
+REDACTED = "[REDACTED]"
+#: Header values shorter than this are not treated as secrets unless named as secrets
+#: (redacting "1" or "json" everywhere would destroy the evidence).
+_MIN_UNNAMED = 8
+_MIN_NAMED = 4
+#: Headers whose values the dispatcher sets and which are not secret.
+_TRANSPORT_HEADERS = frozenset(
+    {
+        "host",
+        "accept",
+        "accept-encoding",
+        "connection",
+        "user-agent",
+        "content-length",
+        "content-type",
+        "transfer-encoding",
+        "traceparent",
+        "tracestate",
+    }
+)
+
+
+def _char_pattern(c: str) -> bytes:
+    forms = [re.escape(c.encode("utf-8"))]
+    code = ord(c)
+    if code < 0x10000:
+        hex4 = f"{code:04x}"
+        forms.append(b"\\\\u" + b"".join(b"[%s%s]" % (h.encode(), h.upper().encode())
+                                         if h.isalpha() else h.encode() for h in hex4))  # fmt: skip
+    if c in "/\"\\":
+        forms.append(re.escape(b"\\" + c.encode()))
+    return b"(?:" + b"|".join(forms) + b")"
+
+
+class Redactor:
+    """Replaces the given secrets, in any JSON-escaped spelling, with ``[REDACTED]``."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        unique = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self.longest = max((len(s) for s in unique), default=0)
+        self._pattern = (
+            re.compile(b"|".join(b"".join(_char_pattern(c) for c in s) for s in unique))
+            if unique
+            else None
+        )
+
+    def __bool__(self) -> bool:
+        return self._pattern is not None
+
+    def bytes(self, data: bytes, *, cut_off: bool = False) -> bytes:
+        """``data`` with every secret replaced. ``cut_off``: ``data`` is a prefix of
+        something longer, so a secret may begin at its end: drop that tail too."""
+        if self._pattern is None:
+            return data
+        data = self._pattern.sub(REDACTED.encode(), data)
+        if cut_off:
+            # The longest spelling of a secret is 6 bytes (a \\uXXXX escape) per character.
+            tail = 6 * self.longest
+            data = data[:-tail] if len(data) > tail else b""
+        return data
+
+    def text(self, value: str) -> str:
+        if self._pattern is None:
+            return value
+        return self.bytes(value.encode("utf-8", "surrogatepass")).decode("utf-8", "replace")
+
+
+def secrets_sent(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]],
+    *,
+    public: Iterable[str] = (),
+    secret_names: Iterable[str] = (),
+) -> list[str]:
+    """The values among ``headers`` (as sent) that must never be stored."""
+    public_names = {n.lower() for n in public} | _TRANSPORT_HEADERS
+    named = {n.lower() for n in secret_names} | CREDENTIAL_HEADERS
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    found: list[str] = []
+    for name, value in items:
+        lowered = name.lower()
+        if lowered in public_names and lowered not in named:
+            continue
+        minimum = _MIN_NAMED if lowered in named else _MIN_UNNAMED
+        scheme, _, rest = value.partition(" ")
+        for candidate in (value, rest):
+            if len(candidate) >= minimum:
+                found.append(candidate)
+        if scheme.lower() == "basic" and rest:
+            try:
+                decoded = base64.b64decode(rest, validate=True).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                continue
+            password = decoded.partition(":")[2]
+            found.extend(v for v in (decoded, password) if len(v) >= _MIN_NAMED)
+    return found
