@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,11 +32,12 @@ from outbox.cli_support import (
     command,
     fail,
 )
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, StoreError
 from outbox.model import Reason, State
 
 if TYPE_CHECKING:
     from outbox.bulk import BulkReport, Selection
+    from outbox.client import Outbox
     from outbox.reconcile import OperationReport
     from outbox.status import Watch
 
@@ -405,7 +408,7 @@ def dispatch(
 
     # Before loading the application: a SIGTERM during start-up stops us cleanly.
     stop = None if once or until_empty else catch_sigterm_early()
-    ob = obj.outbox()
+    ob = _open_waiting_for_database(obj, stop)
     if not ob.endpoints:
         raise click.UsageError(f"--app {obj.app} registers no endpoint: nothing can be sent")
     server = None
@@ -487,6 +490,30 @@ def _live_line() -> Iterator[Any]:
             )
 
         yield show
+
+
+def _open_waiting_for_database(obj: Context, stop: threading.Event | None) -> Outbox:
+    """A dispatcher started while its database is down (restarting, failing over) waits
+    for it with backoff, as a running one does; a SIGTERM meanwhile (``stop``) ends the
+    wait with the database's error."""
+    from sqlalchemy.exc import DBAPIError
+
+    from outbox.dispatch import logger
+
+    delay = 0.25
+    while True:
+        try:
+            return obj.outbox()
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, DBAPIError):
+                raise  # a schema or file problem: waiting will not fix it
+            logger.warning("store_unavailable", phase="start", detail=str(exc)[:300],
+                           retry_in_seconds=delay)  # fmt: skip
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                raise
+            delay = min(delay * 2, 5.0)
 
 
 # -- operator actions -----------------------------------------------------------------------

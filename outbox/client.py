@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 
 from outbox.aio import AsyncMethods, is_async_connection
 from outbox.canonical import (
@@ -158,6 +159,12 @@ class Outbox(AsyncMethods, TransactionMethods):
             if clock is None:
                 server_ms = self.store.server_time_ms()
                 clock = SystemClock() if server_ms is None else OffsetClock(server_ms)
+        except DBAPIError as exc:
+            if self._owns_engine:
+                self.engine.dispose()
+            where = self.engine.url.render_as_string(hide_password=True)
+            detail = str(exc.orig or exc).strip().splitlines() or [type(exc).__name__]
+            raise StoreError(f"cannot open the outbox database {where}: {detail[0]}") from exc
         except BaseException:
             if self._owns_engine:
                 self.engine.dispose()

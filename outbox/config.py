@@ -329,6 +329,11 @@ class DispatcherSettings:
     dispatcher_id: str | None = None
     #: How often a running dispatcher writes its heartbeat row (``outbox status``).
     heartbeat_seconds: float = 5.0
+    #: After a stop is requested (SIGTERM), a database call that does not return within
+    #: this many seconds is given up on: the dispatcher logs ``dispatcher_stop_timed_out``
+    #: and stops with an error, leaving its leases to expire (safe). Requests on the wire
+    #: still finish within their own deadlines.
+    stop_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -341,6 +346,8 @@ class DispatcherSettings:
             raise ConfigurationError("heartbeat_seconds must be positive")
         if not self.idle_poll_seconds > 0 or not self.change_check_seconds > 0:
             raise ConfigurationError("idle_poll_seconds and change_check_seconds must be positive")
+        if not self.stop_timeout_seconds > 0:
+            raise ConfigurationError("stop_timeout_seconds must be positive")
 
     def lease_for(self, endpoints: Mapping[str, Endpoint]) -> float:
         longest = max((e.timeout for e in endpoints.values()), default=10.0)

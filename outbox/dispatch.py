@@ -8,22 +8,21 @@ batches by a single writer task, each write fenced on the claim's lease token.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from outbox import failpoints, heartbeat
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
+from outbox.dbthread import DatabaseUnresponsive, DbThread, error_detail, is_transient
 from outbox.errors import StoreError
 from outbox.logs import get_logger
 from outbox.model import Delivery, ErrorClass, Reason, State, Verdict
@@ -131,7 +130,7 @@ class Dispatcher:
         self.summary = DispatchSummary()
         self._transport_factory = transport_factory
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-db")
+        self._db = DbThread()
         self._outcomes: asyncio.Queue[AttemptOutcome | None] = asyncio.Queue()
         self._inflight = 0
         self._capacity = asyncio.Event()
@@ -165,8 +164,7 @@ class Dispatcher:
         return await self._run_db(fn, **kwargs)
 
     async def _run_db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._db, functools.partial(fn, **kwargs))
+        result = await self._db.run(fn, **kwargs)
         self.db_answered_at = time.monotonic()
         return result
 
@@ -210,8 +208,11 @@ class Dispatcher:
         try:
             await self._run_db(self.store.preflight)
         except BaseException:
-            self._db.shutdown(wait=False)
+            self._db.shutdown()
             raise
+        watchdog = asyncio.create_task(
+            self._db.watch(stop, self.settings.stop_timeout_seconds)
+        )
         writer = asyncio.create_task(self._write_outcomes())
         if failpoints.armed():
             self._log.warning("failpoints_armed", points=failpoints.armed(),
@@ -294,8 +295,24 @@ class Dispatcher:
                 await asyncio.gather(beats, return_exceptions=True)
                 await heartbeat.stopped(self)
             self._observe.dispatcher_stopped(self)
-            self._db.shutdown(wait=True)
-            self._log.info("dispatcher_stopped", **self.summary.as_dict())
+            watchdog.cancel()
+            self._db.shutdown()
+            if self._db.gave_up:
+                self._log.error(
+                    "dispatcher_stop_timed_out",
+                    stop_timeout_seconds=self.settings.stop_timeout_seconds,
+                    detail="the database did not answer; gave up. Leases held expire on "
+                    "their own and another dispatcher takes over; nothing is resent "
+                    "before that.",
+                    **self.summary.as_dict(),
+                )
+            else:
+                self._log.info("dispatcher_stopped", **self.summary.as_dict())
+        if self._db.gave_up:
+            raise DatabaseUnresponsive(
+                f"the database did not answer within {self.settings.stop_timeout_seconds}s "
+                "of the stop request; gave up (the leases held expire on their own)"
+            )
         return self.summary
 
     async def _snapshot_policies(self, claimed: list[Claimed]) -> None:
@@ -678,15 +695,16 @@ class Dispatcher:
                 lease_left = max(
                     (self._lease_ends.get(out.pk, 0.0) for out in batch), default=0.0
                 ) - self.clock.monotonic()
-                if not _transient(exc) or lease_left < delay + 1.0 or tries >= _OUTCOME_TRIES:
+                transient = is_transient(exc)
+                if not transient or lease_left < delay + 1.0 or tries >= _OUTCOME_TRIES:
                     # The leases will expire and another claim records these attempts
                     # as unknown. Nothing is resent before that.
                     self._log.error("outcome_write_failed", count=len(batch), tries=tries,
-                                    error=type(exc).__name__, detail=_detail(exc),
-                                    transient=_transient(exc))  # fmt: skip
+                                    error=type(exc).__name__, detail=error_detail(exc),
+                                    transient=transient, exc_info=exc)  # fmt: skip
                     return set()
                 self._log.warning("outcome_write_retry", count=len(batch), tries=tries,
-                                  error=type(exc).__name__, detail=_detail(exc),
+                                  error=type(exc).__name__, detail=error_detail(exc),
                                   retry_in_seconds=delay,
                                   lease_left_seconds=round(lease_left, 3))  # fmt: skip
                 await asyncio.sleep(delay)
@@ -755,21 +773,6 @@ class Dispatcher:
 _NOT_TRIED = frozenset(
     {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
 )
-
-
-def _transient(exc: BaseException) -> bool:
-    """A database failure worth retrying: the connection, a lock, a restart."""
-    if isinstance(exc, StoreError):
-        exc = exc.__cause__ or exc
-    if isinstance(exc, DBAPIError):
-        return exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError)
-    return isinstance(exc, StoreError)
-
-
-def _detail(exc: BaseException) -> str:
-    """An error's message for the log, without statement parameters."""
-    orig = getattr(exc, "orig", None) or getattr(exc.__cause__, "orig", None)
-    return str(orig or exc).strip().splitlines()[0][:300] if str(orig or exc).strip() else ""
 
 
 def _json_headers(text: str) -> dict[str, str]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import stat
 import weakref
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,7 @@ from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError, SchemaError, StoreError
 from outbox.store import writelock
+from outbox.store.revisions import VERSION_TABLE, check_known
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -97,54 +100,94 @@ def check_private_file(path: Path) -> None:
         )
 
 
+#: libpq connection settings on PostgreSQL engines we create (each overridable by the
+#: URL's query or ``connect_args``): give up connecting after 10 s; TCP keepalives so a
+#: peer that vanished (network partition, host gone) is noticed within about a minute;
+#: unacknowledged data for 30 s also ends the connection.
+PG_CONNECT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+#: The server gives up on one of our statements after this long (our statements take
+#: milliseconds; a stuck one must not hold a lease, a lock or a shutdown forever).
+#: Migrations lift it for their own transaction.
+PG_STATEMENT_TIMEOUT_MS = 30_000
+
+
 def create_engine(
     url: str | URL = DEFAULT_URL,
     *,
     schema: str | None = None,
     create_file: bool = True,
+    statement_timeout_ms: int | None = PG_STATEMENT_TIMEOUT_MS,
     **kwargs: Any,
 ) -> Engine:
     """An engine for outbox: SQLite with WAL, ``synchronous=FULL``, a busy timeout and
-    ``BEGIN IMMEDIATE`` write transactions; PostgreSQL through psycopg 3.
+    ``BEGIN IMMEDIATE`` write transactions; PostgreSQL through psycopg 3 with a connect
+    timeout, TCP keepalives and a statement timeout (``statement_timeout_ms``; None
+    leaves the server's). Statement parameters never appear in error messages or logs
+    (``hide_parameters=True``): they carry request bodies and results.
+
+    Every default can be overridden: the URL's query and ``connect_args`` win over
+    :data:`PG_CONNECT_DEFAULTS`; other keyword arguments go to SQLAlchemy. Engines you
+    make yourself and pass to ``Outbox`` should set ``hide_parameters=True`` too.
 
     ``schema`` (PostgreSQL only) keeps every outbox table, index and the migrations'
     version table in that schema: each connection's ``search_path`` is set to it.
     ``create_file=False`` refuses a SQLite file that does not exist instead of creating
-    it (and its directories): see :class:`~outbox.errors.SchemaError`.
+    it (and its directories): see :class:`~outbox.errors.SchemaError`. An existing
+    SQLite file that is not an outbox database file (a directory, not SQLite, truncated,
+    migrated by a newer outbox) is refused before SQLite opens it, so nothing is
+    converted; a ``?mode=ro`` URL is opened as a real read-only SQLite URI.
 
     Applications that enqueue inside their own transactions on SQLite should use an
     engine made here (or configured alike), so their transactions take the write lock
     up front instead of failing to upgrade a read lock under contention.
     """
     parsed = normalize_url(url)
+    kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "postgresql":
         kwargs.setdefault("pool_pre_ping", True)
+        connect_args = {
+            key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query
+        }
+        connect_args.update(kwargs.pop("connect_args", {}))
         if schema is not None:
             # Set at connect time by the server itself: no statement to run, nothing a
             # pool reset can undo, and Alembic's DDL and version table follow it too.
-            connect_args = dict(kwargs.pop("connect_args", {}))
             options = connect_args.get("options") or parsed.query.get("options") or ""
             options = f"{options} -csearch_path={check_schema_name(schema)}".strip()
             connect_args["options"] = options
-            kwargs["connect_args"] = connect_args
-        engine = sa_create_engine(parsed, **kwargs)
+        engine = sa_create_engine(parsed, connect_args=connect_args, **kwargs)
         if schema is not None:
             _SCHEMAS[engine] = schema
+        if statement_timeout_ms is not None and "statement_timeout" not in str(
+            parsed.query.get("options", "")
+        ):
+            _set_statement_timeout(engine, statement_timeout_ms)
     else:
         if schema is not None:
             raise ConfigurationError("a schema applies to PostgreSQL only, not to SQLite")
+        parsed = _sqlite_uri(parsed)
         path = sqlite_path(parsed)
-        if path is not None and parsed.query.get("mode") != "ro":
-            if create_file:
-                create_private_file(path)
-            elif not path.is_file():
-                raise SchemaError(
-                    f"no outbox database at {parsed.render_as_string(hide_password=True)}: "
-                    f"{path} does not exist",
-                    missing=True,
-                )
+        read_only = parsed.query.get("mode") == "ro"
+        if path is not None:
+            check_sqlite_file(path, must_exist=read_only)
+            if not read_only:
+                if create_file:
+                    create_private_file(path)
+                elif not path.is_file():
+                    raise SchemaError(
+                        f"no outbox database at "
+                        f"{parsed.render_as_string(hide_password=True)}: {path} does not exist",
+                        missing=True,
+                    )
         engine = sa_create_engine(parsed, **kwargs)
-        configure_sqlite(engine)
+        configure_sqlite(engine, read_only=read_only)
     _dispose_in_forked_children(engine)
     return engine
 
@@ -158,11 +201,16 @@ def create_async_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> AsyncEng
     from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
 
     parsed = normalize_url(url)
+    kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "postgresql":
         if parsed.drivername == "postgresql+psycopg":
             parsed = parsed.set(drivername="postgresql+psycopg_async")
         kwargs.setdefault("pool_pre_ping", True)
-        engine = sa_create_async_engine(parsed, **kwargs)
+        connect_args = {
+            key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query
+        }
+        connect_args.update(kwargs.pop("connect_args", {}))
+        engine = sa_create_async_engine(parsed, connect_args=connect_args, **kwargs)
     else:
         if parsed.drivername == "sqlite":
             parsed = parsed.set(drivername="sqlite+aiosqlite")
@@ -186,7 +234,79 @@ def enable_wal(conn: Connection) -> None:
     conn.exec_driver_sql("PRAGMA journal_mode = WAL")
 
 
-def configure_sqlite(engine: Engine) -> None:
+def _set_statement_timeout(engine: Engine, ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # A session setting, outside any transaction; psycopg needs autocommit for it
+        # not to open one.
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        try:
+            dbapi_connection.execute(f"SET statement_timeout = {int(ms)}")
+        finally:
+            dbapi_connection.autocommit = autocommit
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _sqlite_uri(url: URL) -> URL:
+    """``sqlite:///x.db?mode=ro`` as the URI form SQLite obeys.
+
+    Without ``uri=true`` the driver ignores ``mode``: a "read-only" open would create
+    (and write) the file.
+    """
+    database = url.database or ""
+    if "mode" not in url.query or url.query.get("uri") == "true" or not database:
+        return url
+    if not database.startswith("file:"):
+        database = f"file:{database}"
+    return url.set(database=database).update_query_dict({"uri": "true"})
+
+
+def check_sqlite_file(path: Path, *, must_exist: bool = False) -> None:
+    """Refuse, before SQLite opens (and converts) it, what is not an outbox database
+    file: a directory, a file that is not SQLite, a truncated one, or one migrated by
+    a newer outbox. A missing or empty file is a new database (unless ``must_exist``)."""
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory, not a database file")
+    if not path.exists():
+        if must_exist:
+            raise StoreError(f"{path} does not exist (opened read-only: nothing was created)")
+        return
+    size = path.stat().st_size
+    if size == 0:
+        return
+    with path.open("rb") as f:
+        header = f.read(100)
+    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
+        raise StoreError(f"{path} is not a SQLite database (nothing was changed)")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    header_valid = header[24:28] == header[92:96]
+    if page_size < 512 or size % page_size or (header_valid and size < pages * page_size):
+        raise StoreError(
+            f"{path} is truncated or damaged: {size} bytes, expected "
+            f"{pages * page_size if header_valid else 'a whole number of'} pages of "
+            f"{page_size} (nothing was changed)"
+        )
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as raw:
+            found = raw.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (VERSION_TABLE,)
+            ).fetchone()
+            revision = (
+                raw.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone()
+                if found
+                else None
+            )
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot read {path}: {exc} (nothing was changed)") from exc
+    check_known(revision[0] if revision else None, str(path))
+
+
+def configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
     """Install the pragmas and the BEGIN IMMEDIATE behaviour on a SQLite engine."""
 
     @event.listens_for(engine, "connect")
@@ -196,9 +316,10 @@ def configure_sqlite(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-            cursor.execute("PRAGMA journal_mode = WAL")
-            # FULL: a commit is on disk before enqueue returns, even across power loss.
-            cursor.execute("PRAGMA synchronous = FULL")
+            if not read_only:  # a read-only open changes nothing, not even the journal
+                cursor.execute("PRAGMA journal_mode = WAL")
+                # FULL: a commit is on disk before enqueue returns, even across power loss.
+                cursor.execute("PRAGMA synchronous = FULL")
             cursor.execute("PRAGMA foreign_keys = ON")
         finally:
             cursor.close()

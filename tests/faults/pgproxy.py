@@ -64,6 +64,9 @@ class PgProxy:
         self._commit_action: str | None = None
         self._isolate = False
         self._marker: bytes | None = None
+        self._marker_every = False
+        #: Set when a message was held back because the proxy is frozen.
+        self.holding = threading.Event()
         self.refuse = False
         self._flowing = threading.Event()
         self._flowing.set()
@@ -93,12 +96,16 @@ class PgProxy:
             self._commit_action = action
             self._isolate = then_isolate
 
-    def cut_on(self, marker: bytes) -> None:
+    def cut_on(self, marker: bytes, *, every: bool = False) -> None:
+        """Cut the connection whose next message carries ``marker`` (once, or every
+        time with ``every``)."""
         self.cut_done.clear()
         with self._lock:
             self._marker = marker
+            self._marker_every = every
 
     def freeze(self) -> None:
+        self.holding.clear()
         self._flowing.clear()
 
     def thaw(self) -> None:
@@ -150,6 +157,8 @@ class PgProxy:
                 data = conn.server.recv(65536)
                 if not data:
                     break
+                if not self._flowing.is_set():
+                    self.holding.set()
                 self._flowing.wait()
                 if conn.closed.is_set():
                     break
@@ -161,13 +170,16 @@ class PgProxy:
     def _client_to_server(self, conn: _Conn) -> None:
         try:
             for kind, raw in _messages(conn.client):
+                if not self._flowing.is_set():
+                    self.holding.set()
                 self._flowing.wait()
                 if conn.closed.is_set():
                     break
                 with self._lock:
                     marker, action = self._marker, self._commit_action
                     if marker is not None and marker in raw:
-                        self._marker = None
+                        if not self._marker_every:
+                            self._marker = None
                     else:
                         marker = None
                     is_commit = kind == b"Q" and raw[5:].rstrip(b"\0").strip().upper() == b"COMMIT"

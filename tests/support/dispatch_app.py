@@ -39,6 +39,7 @@ def build() -> Outbox:
             lease_seconds=_float("OUTBOX_TEST_LEASE", 30.0),
             lease_margin_seconds=_float("OUTBOX_TEST_LEASE_MARGIN", 0.25),
             idle_poll_seconds=0.05,
+            stop_timeout_seconds=_float("OUTBOX_TEST_STOP_TIMEOUT", 30.0),
         ),
     )
 

@@ -63,7 +63,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "store: engines and schema",
-        ("outbox.store.writelock", "outbox.store.engine", "outbox.store.migrate"),
+        (
+            "outbox.store.writelock",
+            "outbox.store.revisions",
+            "outbox.store.engine",
+            "outbox.store.migrate",
+        ),
     ),
     ("store: commits", ("outbox.store.commit",)),
     ("store: queries", ("outbox.store.base",)),
