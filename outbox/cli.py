@@ -34,6 +34,7 @@ from outbox.cli_support import (
 )
 from outbox.errors import ConfigurationError, StoreError
 from outbox.model import Reason, State
+from outbox.safetext import neutralise
 
 if TYPE_CHECKING:
     from outbox.bulk import BulkReport, Selection
@@ -41,8 +42,20 @@ if TYPE_CHECKING:
     from outbox.reconcile import OperationReport
     from outbox.status import Watch
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(highlight=False, soft_wrap=True, stderr=True)
+
+
+class SafeConsole(Console):
+    """A rich Console that spells out control characters in every string it renders
+    (``print`` arguments and table cells alike; ``outbox.safetext``), so a stored note,
+    error or body cannot clear or rewrite the operator's screen. Rich's own styling is
+    unaffected."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Any:
+        return super().render_str(neutralise(text), **kwargs)
+
+
+out = SafeConsole(highlight=False, soft_wrap=True)
+err = SafeConsole(highlight=False, soft_wrap=True, stderr=True)
 
 _LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 

@@ -282,7 +282,9 @@ def _is_connect(exc: Any) -> bool:
 
 
 def fail(code: int, message: str) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+    from outbox.safetext import neutralise
+
+    click.echo(f"error: {neutralise(message)}", err=True)
     sys.exit(code)
 
 

@@ -36,6 +36,7 @@ from outbox.model import (
     Verdict,
     ms_to_datetime,
 )
+from outbox.safetext import check_printable
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store.base import AuditRecord
 
@@ -802,10 +803,10 @@ def _check_note(note: str) -> str:
         raise ValidationError("a note is required: say what you checked and why")
     if len(note) > _MAX_NOTE:
         raise ValidationError(f"the note is longer than {_MAX_NOTE} characters")
-    return note
+    return check_printable(note, "note")
 
 
 def _check_actor(actor: str) -> str:
-    if not actor or len(actor) > 255 or re.search(r"[\x00-\x1f\x7f]", actor):
+    if not actor or len(actor) > 255 or re.search(r"[\x00-\x1f\x7f-\x9f]", actor):
         raise ValidationError("operator name must be 1-255 printable characters")
     return actor

@@ -109,3 +109,15 @@ def ensure_schema(engine: Engine, *, create: bool) -> None:
         f"the outbox schema {where} in {place}; run: outbox migrate --db URL",
         missing=revision is None,
     )
+
+
+__all__ = [
+    "HEAD",
+    "VERSION_TABLE",
+    "check_known",
+    "current_revision",
+    "downgrade",
+    "ensure_schema",
+    "migrations_dir",
+    "upgrade",
+]
