@@ -108,6 +108,8 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
     logger.warning(
         "enqueue_commit_failed",
         error=type(commit_error.orig or commit_error).__name__,
+        operation_id=created[0].operation_id,
+        tenant=created[0].tenant,
         operations=len(created),
         detail="establishing whether the COMMIT took effect",
     )
