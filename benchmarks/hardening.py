@@ -112,11 +112,11 @@ def _restarter(c: Cluster, restarts: int, every: float, done: threading.Event) -
 
 def commits(restarts: int, producers: int) -> dict[str, Any]:
     from sqlalchemy import text
-    from structlog.testing import capture_logs
 
     from outbox import Endpoint, NotStoredError, Outbox, StoreOutcomeUnknown
     from outbox.store.engine import create_engine
     from outbox.store.migrate import upgrade
+    from tests.faults.support import outbox_events
 
     with cluster() as c:
         engine = create_engine(c.url)
@@ -145,7 +145,7 @@ def commits(restarts: int, producers: int) -> dict[str, Any]:
                 with lock:
                     answers[op_id] = answer
 
-        with capture_logs() as logs:
+        with outbox_events() as logs:
             threads = [threading.Thread(target=produce, args=(i,)) for i in range(producers)]
             for t in threads:
                 t.start()
@@ -189,13 +189,13 @@ def commits(restarts: int, producers: int) -> dict[str, Any]:
 
 
 def outcomes(restarts: int, operations: int) -> dict[str, Any]:
-    from structlog.testing import capture_logs
     from tenacity import wait_random_exponential
 
     from outbox import DispatcherSettings, Endpoint, Outbox, RetryPolicy
     from outbox.store.engine import create_engine
     from outbox.store.migrate import upgrade
     from outbox.testing.receiver import Receiver
+    from tests.faults.support import outbox_events
 
     with cluster() as c, tempfile.TemporaryDirectory() as tmp:
         engine = create_engine(c.url)
@@ -217,7 +217,7 @@ def outcomes(restarts: int, operations: int) -> dict[str, Any]:
                                  for j in range(i, min(i + 500, operations))])  # fmt: skip
             stop = threading.Event()
             done = threading.Event()
-            with capture_logs() as logs:
+            with outbox_events() as logs:
                 runner = threading.Thread(target=lambda: ob.run_dispatcher(stop=stop))
                 runner.start()
                 started = time.monotonic()

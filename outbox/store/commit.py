@@ -28,17 +28,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-import structlog
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError, StoreError, StoreOutcomeUnknown
+from outbox.logs import get_logger
 from outbox.store.tables import operations as o
 
 if TYPE_CHECKING:
     from outbox.store.base import Store
 
-logger = structlog.get_logger("outbox.store")
+logger = get_logger("outbox.store")
 
 T = TypeVar("T")
 

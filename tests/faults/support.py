@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -22,6 +23,44 @@ from outbox import Endpoint, Outbox, RetryPolicy, failpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
+
+
+class Events(logging.Handler):
+    """The outbox library's log events (stdlib records under ``outbox``) as dicts with
+    their ``level``, collected from every thread while the block runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[dict[str, Any]] = []
+        self._lock2 = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = dict(getattr(record, "outbox", None) or {"event": record.getMessage()})
+        fields["level"] = record.levelname.lower()
+        with self._lock2:
+            self.records.append(fields)
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        with self._lock2:
+            return [r for r in self.records if r.get("event") == event]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with self._lock2:
+            return iter(list(self.records))
+
+
+@contextmanager
+def outbox_events() -> Iterator[Events]:
+    root = logging.getLogger("outbox")
+    handler = Events()
+    previous = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
 
 
 def until(predicate: Callable[[], T], timeout: float, what: str, poll: float = 0.05) -> T:

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from structlog.testing import capture_logs
 
 from outbox import Endpoint, Intent, NotStoredError, Outbox, State, StoreOutcomeUnknown
 from outbox.store import commit
 from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
 from tests.faults.pgproxy import PgProxy, pg_proxy
+from tests.faults.support import outbox_events
 
 pytestmark = pytest.mark.postgres
 
@@ -68,12 +68,13 @@ def test_commit_applied_but_answer_lost_is_reported_stored(
     ob: Outbox, proxy: PgProxy, migrated: str
 ) -> None:
     proxy.arm_commit("forward")
-    with capture_logs() as logs:
+    with outbox_events() as logs:
         op = _enqueue(ob, "lost-answer")
     assert proxy.commit_done.is_set()  # the COMMIT really was cut
     assert op.operation_id == "lost-answer" and op.state is State.PENDING
     assert _rows(migrated) == [("lost-answer", "pending")]
-    assert [e["event"] for e in logs] == ["enqueue_commit_failed"]
+    assert len(logs.named("enqueue_commit_failed")) == 1
+    assert logs.named("enqueue_outcome_unknown") == []
     # The caller who enqueues again (same ID) gets the same operation, still one row.
     assert _enqueue(ob, "lost-answer").pk == op.pk
     assert _rows(migrated) == [("lost-answer", "pending")]
@@ -131,8 +132,8 @@ def test_enqueue_many_resolves_a_lost_commit_for_the_whole_batch(
 def test_failure_before_commit_is_not_stored(ob: Outbox, proxy: PgProxy, migrated: str) -> None:
     """The INSERT itself is cut: provably nothing stored, no look-up needed."""
     proxy.cut_on(b"cut-at-insert")
-    with capture_logs() as logs, pytest.raises(NotStoredError):
+    with outbox_events() as logs, pytest.raises(NotStoredError):
         _enqueue(ob, "cut-at-insert")
     assert proxy.cut_done.is_set()
-    assert [e["event"] for e in logs] == []
+    assert logs.named("enqueue_commit_failed") == []
     assert _rows(migrated) == []

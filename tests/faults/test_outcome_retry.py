@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from structlog.testing import capture_logs
 from tenacity import wait_fixed
 
 from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State, failpoints
@@ -26,7 +25,7 @@ from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
 from outbox.testing.receiver import Receiver
 from tests.faults.pgproxy import pg_proxy
-from tests.faults.support import Hold, until
+from tests.faults.support import Events, Hold, outbox_events, until
 from tests.faults.test_store_faults import WriteLock, _db_path
 
 pytestmark = pytest.mark.slow
@@ -72,8 +71,8 @@ class _Running:
         return self.summary
 
 
-def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    return [e for e in list(logs) if e.get("event") == name]
+def _events(logs: Events, name: str) -> list[dict[str, Any]]:
+    return logs.named(name)
 
 
 def _assert_one_attempt_recorded(ob: Outbox, receiver: Receiver, op_id: str) -> None:
@@ -92,7 +91,7 @@ def test_postgres_connection_lost_during_the_outcome_write_is_retried(
     engine = create_engine(pg_url)
     upgrade(engine)
     engine.dispose()
-    with pg_proxy(pg_url) as proxy, _outbox(proxy.url, receiver) as ob, capture_logs() as logs:
+    with pg_proxy(pg_url) as proxy, _outbox(proxy.url, receiver) as ob, outbox_events() as logs:
         ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
                    operation_id="pg-outcome")  # fmt: skip
         with Hold("after_response") as hold:
@@ -113,7 +112,7 @@ def test_postgres_connection_lost_during_the_outcome_write_is_retried(
 def test_sqlite_locked_past_the_busy_timeout_during_the_outcome_write_is_retried(
     sqlite_url: str, receiver: Receiver
 ) -> None:
-    with _outbox(sqlite_url, receiver) as ob, capture_logs() as logs:
+    with _outbox(sqlite_url, receiver) as ob, outbox_events() as logs:
         ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
                    operation_id="lite-outcome")  # fmt: skip
         with Hold("after_response") as hold:
