@@ -70,7 +70,8 @@ class PgProxy:
         self.refuse = False
         self._flowing = threading.Event()
         self._flowing.set()
-        #: Set when an armed COMMIT was acted on (after the server answered, for "forward").
+        #: Set when an armed COMMIT was acted on (for "forward": passed on to the server,
+        #: the client already cut off).
         self.commit_done = threading.Event()
         self.cut_done = threading.Event()
         self.connections = 0
@@ -188,8 +189,8 @@ class PgProxy:
                     else:
                         action = None
                 if marker is not None:
+                    self.cut_done.set()  # before the cut: the client may react at once
                     conn.close()
-                    self.cut_done.set()
                     return
                 if action is not None and self._isolate:
                     self.refuse = True
@@ -198,8 +199,8 @@ class PgProxy:
                     for other in others:
                         other.close()
                 if action == "drop":
-                    conn.close()
                     self.commit_done.set()
+                    conn.close()
                     return
                 if action == "forward":
                     self._forward_commit(conn, raw)
@@ -217,6 +218,7 @@ class PgProxy:
         with suppress(OSError):
             conn.client.close()
         conn.server.sendall(raw)
+        self.commit_done.set()
         # The server->client pump is still reading the server socket: wait for it to see
         # the answer (CommandComplete + ReadyForQuery) and give up on the gone client.
         conn.server.settimeout(10)
@@ -228,7 +230,6 @@ class PgProxy:
                 break
             time.sleep(0.05)
         conn.close()
-        self.commit_done.set()
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
