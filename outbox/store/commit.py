@@ -26,19 +26,24 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError, StoreError, StoreOutcomeUnknown
-from outbox.logs import get_logger
 from outbox.store.tables import operations as o
 
 if TYPE_CHECKING:
     from outbox.store.base import Store
 
-logger = get_logger("outbox.store")
+
+
+def _logger() -> Any:
+    # Imported on use: enqueue's happy path and read commands never load the logging.
+    from outbox.logs import get_logger
+
+    return get_logger("outbox.store")
 
 T = TypeVar("T")
 
@@ -105,7 +110,7 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
     if not created:
         # Nothing new was written: the operations were already stored before.
         return result
-    logger.warning(
+    _logger().warning(
         "enqueue_commit_failed",
         error=type(commit_error.orig or commit_error).__name__,
         operation_id=created[0].operation_id,
@@ -156,7 +161,7 @@ def resolve_commit(
         delay = min(delay * 2, 1.0)
     keys = tuple((k.tenant, k.operation_id) for k in created)
     named = ", ".join(repr(op_id) for _, op_id in keys[:5]) + (" ..." if len(keys) > 5 else "")
-    logger.error("enqueue_outcome_unknown", operations=len(created), detail=last)
+    _logger().error("enqueue_outcome_unknown", operations=len(created), detail=last)
     raise StoreOutcomeUnknown(
         f"COMMIT failed ({str(getattr(error, 'orig', None) or error).strip()[:200]}) and "
         f"whether operation(s) {named} were stored could not be established ({last}). They "
