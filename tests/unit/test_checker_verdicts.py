@@ -13,19 +13,20 @@ from datetime import timedelta
 import httpx
 
 from outbox import Endpoint
-from outbox.checker import _Observed, _Probe, _request_id, _retained, _same_key
+from outbox.checker.probes import Observed, Probe
+from outbox.checker.verdicts import key_retained, replay_fresh_request_id, same_key_same_result
 
 EP = Endpoint(name="rx", base_url="http://127.0.0.1:1", key_retention=timedelta(hours=2))
 
 
 def probe(key: str, status: int | None, body: object, *, echo: str | None = "self",
-          request_id: str | None = None) -> _Probe:  # fmt: skip
+          request_id: str | None = None) -> Probe:  # fmt: skip
     rid = request_id or f"rid-{key}-{status}-{json.dumps(body)}"
     headers = httpx.Headers({"X-Request-ID": rid if echo == "self" else echo} if echo else {})
-    return _Probe(key, rid, status, json.dumps(body).encode(), headers, None, "X-Request-ID")
+    return Probe(key, rid, status, json.dumps(body).encode(), headers, None, "X-Request-ID")
 
 
-def observed(**changes: object) -> _Observed:
+def observed(**changes: object) -> Observed:
     first = probe("k1", 201, {"effect_id": 1})
     base = {
         "first": first,
@@ -41,34 +42,34 @@ def observed(**changes: object) -> _Observed:
         "lookups": {},
     }
     base.update(changes)
-    return _Observed(**base)  # type: ignore[arg-type]
+    return Observed(**base)  # type: ignore[arg-type]
 
 
 def test_a_key_stuck_409_after_the_delay_fails_key_retained() -> None:
     o = observed(retained_again=probe("k4", 409, {"error": "idempotency_key_in_use"}))
-    verdict = _retained(o, EP)
+    verdict = key_retained(o, EP)
     assert verdict.passed is False
     assert "still got 409" in verdict.summary and "stuck" in verdict.summary
 
 
 def test_a_409_replay_fails_same_key_unless_declared() -> None:
     replay = probe("k1", 409, {"effect_id": 1}, request_id="rid-again")
-    verdict = _same_key(observed(again=replay))
+    verdict = same_key_same_result(observed(again=replay))
     assert verdict.passed is False and "replay_status=409" in verdict.summary
     declared = observed(again=replay, replay_status=409)
-    assert _same_key(declared).passed is True
-    assert _request_id(declared, _same_key(declared)).passed is True
+    assert same_key_same_result(declared).passed is True
+    assert replay_fresh_request_id(declared, same_key_same_result(declared)).passed is True
 
 
 def test_a_replay_without_the_request_id_header_is_named_as_such() -> None:
     silent = probe("k1", 201, {"effect_id": 1}, echo=None, request_id="rid-again")
     o = observed(again=silent)
-    verdict = _request_id(o, _same_key(o))
+    verdict = replay_fresh_request_id(o, same_key_same_result(o))
     assert verdict.passed is False
     assert "no X-Request-ID on the replay" in verdict.summary
     # A receiver that never echoes it: undecided, said so.
     first = probe("k1", 201, {"effect_id": 1}, echo=None)
     o = observed(first=first, again=silent)
-    verdict = _request_id(o, _same_key(o))
+    verdict = replay_fresh_request_id(o, same_key_same_result(o))
     assert verdict.passed is None
     assert "no X-Request-ID on the replay (nor on the first answer)" in verdict.summary

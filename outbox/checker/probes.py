@@ -1,0 +1,224 @@
+"""Sending probes as the dispatcher would, and what they observed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from outbox.body import read_body
+from outbox.errors import ValidationError
+from outbox.lookup import LookupResult, lookup_status
+from outbox.model import Verdict
+from outbox.transport import classify_response, clean_message, request_headers
+
+if TYPE_CHECKING:
+    from outbox.config import Endpoint
+
+PROBE_PREFIX = "outbox-probe-"
+#: The tenants the tenant-scoping probe sends as, unless told others.
+PROBE_TENANTS = (PROBE_PREFIX + "tenant-a", PROBE_PREFIX + "tenant-b")
+BODY_EVIDENCE_CHARS = 500
+_MAX_BODY = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    key: str
+    request_id: str
+    status: int | None
+    body: bytes
+    headers: httpx.Headers | None
+    error: str | None
+    request_id_header: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def result(self) -> str:
+        """The body, canonical when it is JSON: what two results are compared by."""
+        try:
+            return json.dumps(json.loads(self.body), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            return self.body.decode("utf-8", errors="replace")
+
+    @property
+    def echoed_request_id(self) -> str | None:
+        if self.headers is None:
+            return None
+        value: str | None = self.headers.get(self.request_id_header)
+        return value
+
+    def describe(self) -> str:
+        return str(self.status) if self.status is not None else f"no response ({self.error})"
+
+    def evidence(self) -> dict[str, Any]:
+        text = self.body.decode("utf-8", errors="replace")
+        kept: dict[str, str] = {}
+        if self.headers is not None:
+            for name in (self.request_id_header, "idempotent-replayed", "retry-after"):
+                if name in self.headers:
+                    kept[name] = clean_message(self.headers[name], 200)
+        return {
+            "key": self.key,
+            "request_id_sent": self.request_id,
+            "status": self.status,
+            "body": text[:BODY_EVIDENCE_CHARS] + ("…" if len(text) > BODY_EVIDENCE_CHARS else ""),
+            "headers": kept,
+            "error": self.error,
+        }
+
+
+class Prober:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        *,
+        method: str,
+        path: str,
+        tenant: str,
+    ) -> None:
+        self.client = client
+        self.endpoint = endpoint
+        self.method = method
+        self.path = path
+        self.tenant = tenant
+
+    async def send(self, key: str, body: bytes) -> Probe:
+        request_id = str(uuid.uuid4())
+        try:
+            headers = request_headers(
+                self.endpoint,
+                stored_headers={},
+                operation_id=key,
+                request_id=request_id,
+                tenant=self.tenant,
+                has_body=True,
+            )
+        except Exception as exc:  # a tenant_auth that does not know a probe tenant
+            error = clean_message(f"could not build the request: {type(exc).__name__}: {exc}")
+            return Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
+        response: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(self.endpoint.timeout):
+                request = self.client.build_request(
+                    self.method, self.path, headers=headers, content=body
+                )
+                response = await self.client.send(request, stream=True)
+                try:
+                    read = await read_body(response, keep=_MAX_BODY, limit=_MAX_BODY)
+                finally:
+                    await response.aclose()
+        except Exception as exc:
+            error = (
+                f"no complete response within {self.endpoint.timeout}s"
+                if isinstance(exc, TimeoutError)
+                else clean_message(f"{type(exc).__name__}: {exc}")
+            )
+            return Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
+        return Probe(
+            key,
+            request_id,
+            response.status_code,
+            read.head,
+            response.headers,
+            None,
+            self.endpoint.request_id_header,
+        )
+
+    async def lookup(self, key: str) -> LookupResult | None:
+        if self.endpoint.status_lookup is None:
+            return None
+        return await lookup_status(self.client, self.endpoint, key, self.tenant)
+
+
+def changed_payload(body: Any) -> tuple[Any, str]:
+    """The same request with one argument changed, and what was changed.
+
+    The first number is incremented, else the first string extended, else a field is
+    added: the request stays as plausible as possible, so a refusal is about the key.
+    """
+    if isinstance(body, dict):
+        for name, value in body.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return {**body, name: value + 1}, f"{name}: {value!r} -> {value + 1!r}"
+        for name, value in body.items():
+            if isinstance(value, str):
+                return {**body, name: value + "-changed"}, f"{name}: {value!r} -> changed"
+        return {**body, "outbox_probe_variant": "changed"}, "added field outbox_probe_variant"
+    if isinstance(body, list):
+        return [*body, "outbox-probe-changed"], "appended an element"
+    return {"value": body, "outbox_probe_variant": "changed"}, "wrapped the body in an object"
+
+
+def canonical_bytes(value: Any) -> bytes:
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode()
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"the probe body must be JSON: {exc}") from exc
+
+
+def probe_key() -> str:
+    return PROBE_PREFIX + uuid.uuid4().hex
+
+
+@dataclass
+class Observed:
+    first: Probe
+    again: Probe
+    changed: Probe
+    changed_how: str
+    other_key: Probe
+    burst: list[Probe]
+    burst_after: Probe
+    retained_first: Probe
+    retained_again: Probe
+    delay: float
+    lookups: dict[str, LookupResult | None]
+    tenant_probes: tuple[Probe, Probe] | None = None
+    replay_status: int | None = None
+
+    @property
+    def discriminating(self) -> bool:
+        """Do results identify the effect (a new key got a different result)?"""
+        return self.first.ok and self.other_key.ok and self.first.result != self.other_key.result
+
+    def replayed(self, probe: Probe) -> bool:
+        """A 2xx, or the status the endpoint declares its replays come with (and a body
+        the outbox would read as a replay)."""
+        if probe.ok:
+            return True
+        if probe.status is None or probe.status != self.replay_status:
+            return False
+        return reading(probe, self.replay_status) is Verdict.SUCCESS
+
+
+def reading(probe: Probe, replay_status: int | None = None) -> Verdict | None:
+    """How the dispatcher's default rules would read this answer."""
+    if probe.status is None:
+        return None
+    response = httpx.Response(probe.status, headers=probe.headers, content=probe.body)
+    return classify_response(
+        response, probe.body, int(time.time() * 1000), replay_status=replay_status
+    ).verdict
+
+
+def lookup_evidence(result: LookupResult | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {
+        "status": result.status.value,
+        "http_status": result.http_status,
+        "detail": result.detail,
+        "path": result.path,
+    }

@@ -1,0 +1,196 @@
+"""Running a receiver check: validate, probe in order, judge."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from outbox.canonical import check_tenant
+from outbox.checker.probes import (
+    PROBE_TENANTS,
+    Observed,
+    Probe,
+    Prober,
+    canonical_bytes,
+    changed_payload,
+    probe_key,
+)
+from outbox.checker.report import CheckReport
+from outbox.checker.verdicts import (
+    changed_payload_refused,
+    concurrent_duplicates,
+    key_retained,
+    new_key_new_operation,
+    replay_fresh_request_id,
+    same_key_same_result,
+    tenants_kept_apart,
+)
+from outbox.errors import ConfigurationError, ValidationError
+from outbox.lookup import LookupResult
+from outbox.transport import build_client
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+
+class UnsafeProbeRefused(ConfigurationError):
+    """The endpoint is not marked ``probe_safe`` and ``allow_unsafe`` was not given."""
+
+
+async def check_receiver_async(
+    outbox: Outbox,
+    *,
+    endpoint: str,
+    path: str,
+    json_body: Any,
+    method: str = "POST",
+    tenant: str = "",
+    retention_delay: float = 2.0,
+    concurrency: int = 8,
+    allow_unsafe: bool = False,
+    strict: bool = False,
+    probe_tenants: tuple[str, str] = PROBE_TENANTS,
+) -> CheckReport:
+    """:func:`check_receiver` for callers already inside an event loop."""
+    ep = outbox.endpoints.get(endpoint)
+    if ep is None:
+        raise ConfigurationError(
+            f"unknown endpoint {endpoint!r}; registered: {sorted(outbox.endpoints)}"
+        )
+    if not ep.probe_safe and not allow_unsafe:
+        raise UnsafeProbeRefused(
+            f"endpoint {endpoint!r} is not marked probe_safe=True: the checker sends real "
+            "operations that create real effects on the receiver. Point it at a staging or "
+            "test receiver and mark that endpoint probe_safe=True, or pass "
+            "--i-understand-this-sends-real-requests (library: allow_unsafe=True)."
+        )
+    if not path.startswith("/"):
+        raise ValidationError(f"the probe path must start with '/', got {path!r}")
+    if not method.isalpha():
+        raise ValidationError(f"not an HTTP method: {method!r}")
+    if retention_delay < 0:
+        raise ValidationError("the retention delay must be >= 0 seconds")
+    if concurrency < 2:
+        raise ValidationError("concurrency must be at least 2")
+    if len(probe_tenants) != 2 or probe_tenants[0] == probe_tenants[1]:
+        raise ValidationError("probe_tenants must be two different tenants")
+    for probe_tenant in probe_tenants:
+        check_tenant(probe_tenant)
+    method = method.upper()
+    body = canonical_bytes(json_body)
+    changed, changed_how = changed_payload(json_body)
+    changed_body = canonical_bytes(changed)
+    keys = {
+        "same_key": probe_key(),
+        "new_key": probe_key(),
+        "burst": probe_key(),
+        "retained": probe_key(),
+    }
+    if ep.tenant_scope is not None:
+        keys["tenants"] = probe_key()
+    factory = outbox.transport_factory
+    async with build_client(ep, factory(ep) if factory else None) as client:
+        p = Prober(client, ep, method=method, path=path, tenant=tenant)
+        # The retention probe goes first; its delay runs while the other checks do.
+        retained_first = await p.send(keys["retained"], body)
+        retained_sent = time.monotonic()
+        first = await p.send(keys["same_key"], body)
+        again = await p.send(keys["same_key"], body)
+        changed_probe = await p.send(keys["same_key"], changed_body)
+        other = await p.send(keys["new_key"], body)
+        burst = list(
+            await asyncio.gather(*(p.send(keys["burst"], body) for _ in range(concurrency)))
+        )
+        burst_after = await p.send(keys["burst"], body)
+        tenant_probes: tuple[Probe, Probe] | None = None
+        if "tenants" in keys:
+            a, b = (Prober(client, ep, method=method, path=path, tenant=t) for t in probe_tenants)
+            tenant_probes = (
+                await a.send(keys["tenants"], body),
+                await b.send(keys["tenants"], body),
+            )
+        lookups: dict[str, LookupResult | None] = {}
+        for name in ("same_key", "new_key", "burst"):
+            lookups[name] = await p.lookup(keys[name])
+        remaining = retention_delay - (time.monotonic() - retained_sent)
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+        lookups["retained"] = await p.lookup(keys["retained"])
+        retained_again = await p.send(keys["retained"], body)
+    observed = Observed(
+        first=first,
+        again=again,
+        changed=changed_probe,
+        changed_how=changed_how,
+        other_key=other,
+        burst=burst,
+        burst_after=burst_after,
+        retained_first=retained_first,
+        retained_again=retained_again,
+        delay=retention_delay,
+        lookups=lookups,
+        tenant_probes=tenant_probes,
+        replay_status=ep.replay_status,
+    )
+    same_key = same_key_same_result(observed)
+    verdicts = (
+        same_key,
+        changed_payload_refused(observed),
+        new_key_new_operation(observed),
+        replay_fresh_request_id(observed, same_key),
+        concurrent_duplicates(observed),
+        key_retained(observed, ep),
+        tenants_kept_apart(observed, ep),
+    )
+    return CheckReport(
+        endpoint=ep.name,
+        base_url=ep.base_url,
+        method=method,
+        path=path,
+        tenant=tenant,
+        verdicts=verdicts,
+        probe_keys=tuple(keys.values()),
+        retention_delay_seconds=retention_delay,
+        strict=strict,
+    )
+
+
+def check_receiver(
+    outbox: Outbox,
+    *,
+    endpoint: str,
+    path: str,
+    json_body: Any,
+    method: str = "POST",
+    tenant: str = "",
+    retention_delay: float = 2.0,
+    concurrency: int = 8,
+    allow_unsafe: bool = False,
+    strict: bool = False,
+    probe_tenants: tuple[str, str] = PROBE_TENANTS,
+) -> CheckReport:
+    """Probe ``endpoint``'s receiver and report one verdict per idempotency property.
+
+    Sends about ``concurrency + 7`` requests with fresh ``outbox-probe-`` keys (and a
+    few status lookups when the endpoint has a ``status_lookup``); takes at least
+    ``retention_delay`` seconds. Nothing is written to the outbox's database. Raises
+    :class:`UnsafeProbeRefused`, before sending anything, for an endpoint not marked
+    ``probe_safe`` unless ``allow_unsafe``; :class:`ConfigurationError` for an unknown
+    endpoint; :class:`ValidationError` for a bad path, method or body.
+    """
+    return asyncio.run(
+        check_receiver_async(
+            outbox,
+            endpoint=endpoint,
+            path=path,
+            json_body=json_body,
+            method=method,
+            tenant=tenant,
+            retention_delay=retention_delay,
+            concurrency=concurrency,
+            allow_unsafe=allow_unsafe,
+            strict=strict,
+            probe_tenants=probe_tenants,
+        )
+    )
