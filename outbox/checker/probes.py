@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from outbox.body import read_body
-from outbox.errors import ValidationError
 from outbox.lookup import LookupResult, lookup_status
 from outbox.model import Verdict
 from outbox.transport import classify_response, clean_message, request_headers
@@ -157,15 +156,6 @@ def changed_payload(body: Any) -> tuple[Any, str]:
     if isinstance(body, list):
         return [*body, "outbox-probe-changed"], "appended an element"
     return {"value": body, "outbox_probe_variant": "changed"}, "wrapped the body in an object"
-
-
-def canonical_bytes(value: Any) -> bytes:
-    try:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        ).encode()
-    except (TypeError, ValueError) as exc:
-        raise ValidationError(f"the probe body must be JSON: {exc}") from exc
 
 
 def probe_key() -> str:

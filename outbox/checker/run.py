@@ -6,13 +6,12 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from outbox.canonical import check_tenant
+from outbox.canonical import canonical_json, check_tenant
 from outbox.checker.probes import (
     PROBE_TENANTS,
     Observed,
     Probe,
     Prober,
-    canonical_bytes,
     changed_payload,
     probe_key,
 )
@@ -78,9 +77,9 @@ async def check_receiver_async(
     for probe_tenant in probe_tenants:
         check_tenant(probe_tenant)
     method = method.upper()
-    body = canonical_bytes(json_body)
+    body = canonical_json(json_body).encode()
     changed, changed_how = changed_payload(json_body)
-    changed_body = canonical_bytes(changed)
+    changed_body = canonical_json(changed).encode()
     keys = {
         "same_key": probe_key(),
         "new_key": probe_key(),
