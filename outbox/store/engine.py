@@ -16,7 +16,7 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError, SchemaError, StoreError
-from outbox.store import writelock
+from outbox.store import tables, writelock
 from outbox.store.revisions import VERSION_TABLE, check_known
 
 if TYPE_CHECKING:
@@ -151,6 +151,7 @@ def create_engine(
     parsed = normalize_url(url)
     kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "postgresql":
+        tables.attach_postgresql_options()
         kwargs.setdefault("pool_pre_ping", True)
         connect_args = {
             key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query
@@ -205,6 +206,7 @@ def create_async_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> AsyncEng
     if parsed.get_backend_name() == "postgresql":
         if parsed.drivername == "postgresql+psycopg":
             parsed = parsed.set(drivername="postgresql+psycopg_async")
+        tables.attach_postgresql_options()
         kwargs.setdefault("pool_pre_ping", True)
         connect_args = {
             key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query

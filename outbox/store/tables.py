@@ -6,6 +6,9 @@ database, compared without time-zone surprises.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -18,8 +21,10 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    event,
     text,
 )
+from sqlalchemy.engine import Connection
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -93,19 +98,17 @@ operations = Table(
 
 # Due work only: the index stays as small as the live backlog, however many finished
 # operations the table holds.
-Index(
+_due = Index(
     "ix_outbox_operations_due",
     operations.c.next_attempt_at,
     sqlite_where=operations.c.state.in_(["pending", "in_flight"]),
-    postgresql_where=operations.c.state.in_(["pending", "in_flight"]),
 )
-Index(
+_ordering = Index(
     "ix_outbox_operations_ordering",
     operations.c.tenant,
     operations.c.ordering_key,
     operations.c.id,
     sqlite_where=operations.c.ordering_key.is_not(None),
-    postgresql_where=operations.c.ordering_key.is_not(None),
 )
 Index("ix_outbox_operations_state_updated", operations.c.state, operations.c.updated_at)
 
@@ -136,11 +139,10 @@ attempts = Table(
     Column("duration_ms", Integer, nullable=True),
     UniqueConstraint("operation_pk", "number"),
 )
-Index(
+_open = Index(
     "ix_outbox_attempts_open",
     attempts.c.operation_pk,
     sqlite_where=attempts.c.delivery.is_(None),
-    postgresql_where=attempts.c.delivery.is_(None),
 )
 Index("ix_outbox_attempts_started_at", attempts.c.started_at)
 
@@ -176,3 +178,32 @@ dispatchers = Table(
     Column("stopped_at", BigInteger, nullable=True),
 )
 Index("ix_outbox_dispatchers_last_seen_at", dispatchers.c.last_seen_at)
+
+
+#: The partial indexes: the same predicate on every database. Naming a ``postgresql_*``
+#: option loads SQLAlchemy's PostgreSQL dialect (tens of milliseconds), which a SQLite
+#: process (the CLI's read commands) never needs; so the PostgreSQL copy of each
+#: predicate is attached by :func:`attach_postgresql_options` once that dialect is in
+#: use: by ``outbox.create_engine`` for a PostgreSQL URL, before any ``create_all`` on
+#: PostgreSQL, and here at import if the dialect is already loaded. The predicate has
+#: one source, so the two cannot drift (tests/integration/test_migrations.py compares
+#: the migrated schema with this metadata on both databases).
+PARTIAL_INDEXES = (_due, _ordering, _open)
+
+
+def attach_postgresql_options() -> None:
+    """Give each partial index its ``postgresql_where`` (idempotent; loads the dialect)."""
+    for index in PARTIAL_INDEXES:
+        options = index.dialect_options["postgresql"]
+        if options["where"] is None:
+            options["where"] = index.dialect_options["sqlite"]["where"]
+
+
+@event.listens_for(metadata, "before_create")
+def _before_create(target: MetaData, connection: Connection, **kw: Any) -> None:
+    if connection.dialect.name == "postgresql":
+        attach_postgresql_options()
+
+
+if "sqlalchemy.dialects.postgresql" in sys.modules:
+    attach_postgresql_options()
