@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from outbox.status import Watch
 
 
-
 class SafeConsole(Console):
     """A rich Console that spells out control characters in every string it renders
     (``print`` arguments and table cells alike; ``outbox.safetext``), so a stored note,
@@ -54,8 +53,10 @@ class SafeConsole(Console):
         return super().render_str(neutralise(text), **kwargs)
 
 
-out = SafeConsole(highlight=False, soft_wrap=True)
-err = SafeConsole(highlight=False, soft_wrap=True, stderr=True)
+# Markup off by default: a stored string in a table cell ("[link=…]") must print as
+# written, never be read as rich markup. Our own styled lines ask for markup=True.
+out = SafeConsole(highlight=False, soft_wrap=True, markup=False)
+err = SafeConsole(highlight=False, soft_wrap=True, stderr=True, markup=False)
 
 _LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 
@@ -291,7 +292,10 @@ def _render_report(report: OperationReport) -> None:
     from outbox.reconcile import attempt_dict
 
     op = report.operation
-    out.print(f"[bold]{op.operation_id}[/bold]  tenant={op.tenant!r}  endpoint={op.endpoint}")
+    out.print(
+        f"[bold]{op.operation_id}[/bold]  tenant={op.tenant!r}  endpoint={op.endpoint}",
+        markup=True,  # the operation ID, tenant and endpoint name cannot hold markup
+    )
     out.print(f"state: {op.state.value}" + (f" ({op.reason.value})" if op.reason else ""))
     out.print(f"why: {report.explanation}")
     if op.last_error:

@@ -74,7 +74,9 @@ def _story(receiver: Receiver, db_url: str, out: Console, deadline_seconds: floa
         ),
         key_retention=timedelta(hours=1),
     )
-    out.print(f"[bold]outbox demo[/bold]: receiver at {receiver.url}, outbox at {db_url}\n")
+    out.print(
+        f"[bold]outbox demo[/bold]: receiver at {receiver.url}, outbox at {db_url}\n", markup=True
+    )
     with Outbox(
         db_url, endpoints=[endpoint], dispatcher=DispatcherSettings(idle_poll_seconds=0.05)
     ) as ob:
@@ -121,7 +123,10 @@ def _report(ob: Outbox, receiver: Receiver, out: Console, db_url: str) -> None:
 
     lost = ob.get("order-1001-reserve")
     replays = [r for r in receiver.requests(key="order-1001-reserve")]
-    out.print("\n[bold]order-1001[/bold]: the first answer was lost after the receiver committed.")
+    out.print(
+        "\n[bold]order-1001[/bold]: the first answer was lost after the receiver committed.",
+        markup=True,
+    )
     out.print(f"  one operation ID (Idempotency-Key): {lost.operation_id}")
     for a in lost.attempts:
         out.print(
@@ -134,7 +139,7 @@ def _report(ob: Outbox, receiver: Receiver, out: Console, db_url: str) -> None:
 
     unresolved = [ob.get(op_id) for op_id in ORDERS if ob.get(op_id).state is State.UNRESOLVED]
     if unresolved:
-        out.print("\n[bold]reconciliation queue[/bold] (never sent again on its own):")
+        out.print("\n[bold]reconciliation queue[/bold] (never sent again on its own):", markup=True)
         for op in unresolved:
             out.print(
                 f"  {op.operation_id}: {op.reason.value if op.reason else ''}: {explain(op)}",

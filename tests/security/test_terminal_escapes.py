@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import insert, update
 
 from outbox import Endpoint, Outbox, State, ValidationError
-from outbox.store.tables import audit, operations
+from outbox.store.tables import attempts, audit, operations
 from tests.faults.support import ROOT
 
 CLEAR = "\x1b[2J\x1b[H"  # clear the screen, cursor home
@@ -67,3 +67,26 @@ def test_stored_control_sequences_are_neutralised_on_display(tmp_path: Path) -> 
     assert b"\\x1b[2J" in out  # ... spelled out
     for byte in (b"\x1b", "\x9b".encode(), "\x9d".encode(), b"\x07"):
         assert byte not in out, byte
+
+
+def test_stored_strings_are_never_read_as_rich_markup(tmp_path: Path) -> None:
+    """A receiver's request ID (or any stored string in a table cell) that looks like
+    rich markup prints as written: it cannot restyle the table or plant a link."""
+    db = tmp_path / "ob.sqlite3"
+    planted = "[link=http://evil.example]support[/link] [red]OK[/red]"
+    with Outbox(f"sqlite:///{db}",
+                endpoints=[Endpoint(name="rx", base_url="http://127.0.0.1:9")]) as ob:  # fmt: skip
+        op = ob.enqueue(endpoint="rx", method="POST", path="/x", json={}, operation_id="op")
+        with ob.engine.begin() as conn:
+            conn.execute(insert(attempts).values(
+                operation_pk=op.pk, number=1, request_id="r-1", dispatcher_id="d",
+                lease_token="t", started_at=1, lease_until=2, finished_at=2,
+                delivery="sent", verdict="failed", status_code=400,
+                receiver_request_id=planted, duration_ms=1))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    shown = subprocess.run([sys.executable, "-m", "outbox.cli", "--db", f"sqlite:///{db}",
+                            "show", "op"], cwd=tmp_path, capture_output=True, timeout=60,
+                           env={**env, "PYTHONPATH": str(ROOT), "COLUMNS": "400"},
+                           check=False)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert planted.encode() in shown.stdout
