@@ -599,12 +599,13 @@ def reconcile_list(
         "newer_than": newer_than,
     }
     ops = rec.list(**filters, limit=limit, offset=offset)
+    total = rec.count(**filters)
     if as_json:
-        _emit_json([operation_dict(op) for op in ops])
+        operations = [operation_dict(op) for op in ops]
+        _emit_json({"total": total, "limit": limit, "offset": offset, "operations": operations})
         return
     from rich.table import Table
 
-    total = rec.count(**filters)
     table = Table(title=f"unresolved operations ({len(ops)} shown of {total} matching)")
     for column in ("operation id", "tenant", "endpoint", "reason", "attempts", "since"):
         table.add_column(column)
@@ -627,6 +628,79 @@ def reconcile_list(
         tenant_words = ["--tenant", first.tenant] if first.tenant else []
         show_first = obj.command_hint("reconcile", "show", first.operation_id, *tenant_words)
         out.print(f"next: {show_first}, then resolve or requeue it", markup=False)
+
+
+@command(main, reads=True)
+@click.option("--actor", default=None, help="Only this operator's actions.")
+@click.option("--operation", "operation_id", default=None, help="Only this operation ID's.")
+@click.option(
+    "--older-than", type=DURATION, default=None, help="Only actions longer ago than this."
+)
+@click.option(
+    "--newer-than", type=DURATION, default=None, help="Only actions more recent than this."
+)
+@click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@json_option
+def audit(
+    obj: Context,
+    actor: str | None,
+    operation_id: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    limit: int,
+    offset: int,
+    as_json: bool,
+) -> None:
+    """The audit trail of operator actions, newest first, and how many match in all."""
+    from outbox.browse import Browser
+    from outbox.reconcile import audit_dict
+
+    ob = obj.outbox()
+    now_ms = ob.clock.now_ms()
+    page = Browser(ob).audit_log(
+        actor=actor,
+        operation_id=operation_id,
+        until_ms=None if older_than is None else now_ms - _ms(older_than) + 1,
+        since_ms=None if newer_than is None else now_ms - _ms(newer_than),
+        limit=limit,
+        offset=offset,
+    )
+    entries = [
+        {"tenant": r.tenant, "operation_id": r.operation_id, **audit_dict(r)} for r in page.items
+    ]
+    if as_json:
+        _emit_json({"total": page.total, "limit": limit, "offset": offset, "entries": entries})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"audit ({len(entries)} shown of {page.total} matching)")
+    for column in ("at", "actor", "action", "operation id", "tenant", "from", "to", "note"):
+        table.add_column(column)
+    for e in entries:
+        table.add_row(
+            e["at"],
+            e["actor"],
+            e["action"],
+            e["operation_id"],
+            e["tenant"],
+            e["from_state"] or "",
+            e["to_state"] or "",
+            e["note"] or "",
+        )
+    out.print(table)
+    if offset + len(entries) < page.total:
+        more = [
+            *_filter_words(
+                actor=actor, operation=operation_id, older_than=older_than, newer_than=newer_than
+            ),
+            *("--limit", str(limit), "--offset", str(offset + len(entries))),
+        ]
+        out.print(f"more: {obj.command_hint('audit', *more)}", markup=False)
+
+
+def _ms(duration: timedelta) -> int:
+    return int(duration.total_seconds() * 1000)
 
 
 def _filter_words(**filters: Any) -> list[str]:

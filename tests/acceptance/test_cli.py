@@ -29,6 +29,7 @@ from tests.integration import _reconcile_states as S
 from tests.integration._reconcile_states import (
     ATTEMPT_KEYS,
     DARK,
+    LIST_KEYS,
     LOST,
     OPERATION_KEYS,
     REPORT_KEYS,
@@ -135,9 +136,7 @@ def run_outbox(
 ) -> subprocess.CompletedProcess[str]:
     """The installed command (or ``python -m outbox.cli``) as a real process."""
     command = [sys.executable, "-m", "outbox.cli"] if module else [str(OUTBOX_SCRIPT)]
-    full_env = {
-        k: v for k, v in os.environ.items() if k not in OUR_ENV
-    }
+    full_env = {k: v for k, v in os.environ.items() if k not in OUR_ENV}
     full_env.update({k: v for k, v in (env or {}).items() if v is not None})
     return subprocess.run(
         [*command, *args],
@@ -203,9 +202,10 @@ def test_status_check_exit_codes_follow_the_thresholds(world: World) -> None:
     assert "PROBLEM: 1 operations are due and no dispatcher was seen" in failing.stdout
 
     assert world.cli("status", "--check", "--max-unresolved", "3").exit_code == 1
-    assert world.cli(
-        "status", "--check", "--max-unresolved", "3", "--no-dispatcher-check"
-    ).exit_code == 0
+    assert (
+        world.cli("status", "--check", "--max-unresolved", "3", "--no-dispatcher-check").exit_code
+        == 0
+    )
 
     two_hours_later = world.clock.now_ms() + 2 * 3_600_000
     late = world.cli("status", "--check", "--max-unresolved", "3", "--no-dispatcher-check",
@@ -282,7 +282,10 @@ def test_reconcile_list_table_json_filters_and_paging(shared: World) -> None:
     assert "(2 shown of 3 matching)" in first.stdout
     assert "more: outbox reconcile list --limit 2 --offset 2 --app " in first.stdout
 
-    data = world.json("reconcile", "list")
+    listing = world.json("reconcile", "list")
+    assert set(listing) == LIST_KEYS
+    assert (listing["total"], listing["limit"], listing["offset"]) == (3, 50, 0)
+    data = listing["operations"]
     assert [d["operation_id"] for d in data] == ["op-lost", "op-busy", "op-dark"]
     for item in data:
         assert set(item) == OPERATION_KEYS
@@ -291,10 +294,12 @@ def test_reconcile_list_table_json_filters_and_paging(shared: World) -> None:
         assert item["body"] == {"op": item["operation_id"], "quantity": 2}
     assert [d["reason"] for d in data] == [r.reason for r in UNRESOLVED_IN_LIST_ORDER]
     paged = world.json("reconcile", "list", "--limit", "2", "--offset", "1")
-    assert [d["operation_id"] for d in paged] == ["op-busy", "op-dark"]
+    assert [d["operation_id"] for d in paged["operations"]] == ["op-busy", "op-dark"]
+    assert (paged["total"], paged["limit"], paged["offset"]) == (3, 2, 1)
     # Without application code it lists the same queue.
     bare = world.json("reconcile", "list", "--endpoint", "offline", app=False)
-    assert [d["operation_id"] for d in bare] == ["op-dark"]
+    assert [d["operation_id"] for d in bare["operations"]] == ["op-dark"]
+    assert bare["total"] == 1
 
 
 # -- show -------------------------------------------------------------------------------------

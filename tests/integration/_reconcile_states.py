@@ -321,6 +321,21 @@ OPERATION_KEYS = {
     "version",
     "result",
 }
+#: `reconcile list --json`: one page of operation objects and the total matching.
+LIST_KEYS = {"total", "limit", "offset", "operations"}
+#: `audit --json`: one page of audit entries and the total matching.
+AUDIT_PAGE_KEYS = {"total", "limit", "offset", "entries"}
+AUDIT_ENTRY_KEYS = {
+    "tenant",
+    "operation_id",
+    "at",
+    "actor",
+    "action",
+    "from_state",
+    "to_state",
+    "note",
+    "details",
+}
 REPORT_KEYS = OPERATION_KEYS | {"explanation", "blocked_by", "requeue_risk", "attempts", "audit"}
 ATTEMPT_KEYS = {
     "number",
