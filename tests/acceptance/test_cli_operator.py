@@ -7,7 +7,8 @@ SQLite file and the real PostgreSQL server.
   adds the traceback.
 * ``--db`` before or after the command, ``OUTBOX_DB``; ``--schema`` on PostgreSQL.
 * Requeue is decided from the database alone (the policy snapshot), without ``--app``.
-* Bulk actions: dry run, confirmation on a terminal (a real pty), summary, audit rows.
+* Bulk actions: dry run, confirmation on a terminal (a real pty), summary, audit rows,
+  and an operation changed by another operator while the run waits for confirmation.
 * ``purge --dry-run/--vacuum`` and ``dispatch --until-empty``.
 """
 
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,13 @@ def run_hint(line: str, marker: str) -> subprocess.CompletedProcess[str]:
 
 
 def run_on_terminal(
-    args: Sequence[str], answer: str | None, extra_env: dict[str, str] | None = None
+    args: Sequence[str],
+    answer: str | None,
+    extra_env: dict[str, str] | None = None,
+    at_prompt: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
-    """``outbox ARGS`` on a pseudo-terminal; type ``answer`` at the prompt."""
+    """``outbox ARGS`` on a pseudo-terminal; type ``answer`` at the prompt (after running
+    ``at_prompt``: the command is then held between its selection and its changes)."""
     env = {k: v for k, v in os.environ.items() if k not in _OUR_ENV}
     env.update({"COLUMNS": "200", "TERM": "xterm", **(extra_env or {})})
     pid, fd = pty.fork()
@@ -97,6 +102,8 @@ def run_on_terminal(
             break
         output += chunk
         if answer is not None and not answered and b"[y/N]" in output:
+            if at_prompt is not None:
+                at_prompt()
             os.write(fd, answer.encode() + b"\n")
             answered = True
     _, status = os.waitpid(pid, 0)
@@ -504,6 +511,37 @@ def test_bulk_on_a_terminal_asks_first_and_shows_progress(world: S.World) -> Non
     assert "resolve: 3 matched, changed 3, refused 0" in screen
     assert "━" in screen  # the progress bar was drawn (rich, on the terminal's stderr)
     assert [r["action"] for r in world.audit()].count("resolve") == 3
+
+
+def test_bulk_counts_an_operation_changed_after_its_selection_and_leaves_it_alone(
+    world: S.World,
+) -> None:
+    # Held at its confirmation prompt, the bulk run has selected (and shown) the three
+    # unresolved operations; another operator then resolves one of them on their own,
+    # and only then is the bulk run confirmed.
+    db = ["--db", world.db_url]
+    bulk = ["reconcile", "resolve", "--all", "--as", "failed", "--note", "bulk", *db]
+    other: list[subprocess.CompletedProcess[str]] = []
+
+    def another_operator() -> None:
+        other.append(
+            run(["reconcile", "resolve", "op-busy", "--tenant", "acme", "--as", "succeeded",
+                 "--note", "found it", "--operator", "carol", *db])
+        )  # fmt: skip
+
+    code, screen = run_on_terminal(bulk, answer="y", at_prompt=another_operator)
+    (single,) = other
+    assert single.returncode == 0, single.stderr
+    assert "dry run: resolve: 3 matched, would change 3" in screen
+    assert code == 1, screen  # not everything selected was changed
+    assert "resolve: 3 matched, changed 2, refused 0, changed by someone else 1" in screen
+    assert "op-busy" in screen.split("changed by someone else 1", 1)[1]
+    # The other operator's change stands; the bulk run wrote nothing for that operation.
+    assert world.ob.get("op-busy", tenant="acme").state.value == "succeeded"
+    assert [(r["actor"], r["note"]) for r in world.audit("op-busy")] == [("carol", "found it")]
+    for ref in (S.LOST, S.DARK):
+        assert world.ob.get(ref.operation_id, tenant=ref.tenant).state.value == "failed"
+        assert [r["note"] for r in world.audit(ref.operation_id)] == ["bulk"]
 
 
 # -- purge and dispatch ------------------------------------------------------------------------
