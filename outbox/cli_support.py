@@ -27,7 +27,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, TypeVar
 
 import click
 
@@ -44,6 +44,8 @@ from outbox.errors import (
 )
 
 if TYPE_CHECKING:
+    from sqlalchemy.exc import DBAPIError
+
     from outbox.client import Outbox
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -250,6 +252,12 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
     if isinstance(exc, (ValidationError, ConfigurationError)):
         return EXIT_USAGE, _one_line(exc)
     if isinstance(exc, StoreError):
+        cause = exc.__cause__
+        if _is_dbapi(cause) and (cause.connection_invalidated or _is_connect(cause)):
+            # The store said what it was doing ("cannot read URL"); the operator needs
+            # to know the database is not reachable at all.
+            orig = cause.orig if cause.orig is not None else cause
+            return EXIT_STORE, f"cannot connect to the database {obj.where()}: {_one_line(orig)}"
         return EXIT_STORE, _one_line(exc)
     if isinstance(exc, OutboxError):
         return EXIT_REFUSED, _one_line(exc)
@@ -274,6 +282,14 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
 
 def _described(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {_one_line(exc)}"
+
+
+def _is_dbapi(exc: BaseException | None) -> TypeGuard[DBAPIError]:
+    if exc is None or "sqlalchemy" not in sys.modules:
+        return False
+    from sqlalchemy.exc import DBAPIError
+
+    return isinstance(exc, DBAPIError)
 
 
 def _is_connect(exc: Any) -> bool:
