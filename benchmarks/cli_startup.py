@@ -11,7 +11,7 @@ put first on PYTHONPATH for the "before" runs.
 Each tree runs with its bytecode compiled and cached (in a private ``PYTHONPYCACHEPREFIX``,
 warmed by one untimed run), as an installed package has it: ``pip install`` compiles the
 ``.pyc`` files, and an environment with ``PYTHONDONTWRITEBYTECODE`` set would otherwise
-recompile every outbox module on every run (~50 ms here), which measures the set-up, not
+recompile every outbox module on every run (~60 ms CPU here), which measures the set-up, not
 the CLI.
 """
 
