@@ -36,11 +36,17 @@ from outbox.model import (
 )
 
 if _typing.TYPE_CHECKING:
+    from outbox.canonical import Intent
     from outbox.classify import Classification
-    from outbox.client import Intent, Outbox
-    from outbox.config import DispatcherSettings, Endpoint, RetryPolicy, TenantScope
+    from outbox.client import Outbox
+    from outbox.config import (
+        DispatcherSettings,
+        Endpoint,
+        RetryPolicy,
+        StatusLookup,
+        TenantScope,
+    )
     from outbox.dispatch import DispatchSummary
-    from outbox.lookup import StatusLookup
     from outbox.store.engine import create_async_engine, create_engine
 
 #: Imported on first use: the dispatcher brings httpx, aiohttp and tenacity with it, and
@@ -51,10 +57,10 @@ _LAZY = {
     "DispatchSummary": "outbox.dispatch",
     "DispatcherSettings": "outbox.config",
     "Endpoint": "outbox.config",
-    "Intent": "outbox.client",
+    "Intent": "outbox.canonical",
     "Outbox": "outbox.client",
     "RetryPolicy": "outbox.config",
-    "StatusLookup": "outbox.lookup",
+    "StatusLookup": "outbox.config",
     "TenantScope": "outbox.config",
     "create_async_engine": "outbox.store.engine",
     "create_engine": "outbox.store.engine",

@@ -15,18 +15,18 @@ import asyncio
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sqlalchemy import Connection
 
-from outbox.canonical import check_operation_id, check_tenant
+from outbox.canonical import Intent, check_operation_id, check_tenant
 from outbox.errors import OperationNotFound, ValidationError, WaitTimeout
 from outbox.model import Operation
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-    from outbox.client import Intent, Outbox
+    from outbox.store.base import Store
 
 
 def is_async_connection(obj: object) -> bool:
@@ -53,8 +53,68 @@ async def async_connection_of(connection: Any, method: str) -> AsyncConnection:
     raise ValidationError("connection must be a SQLAlchemy AsyncConnection or AsyncSession")
 
 
-def _outbox(obj: object) -> Outbox:
-    return cast("Outbox", obj)
+#: An intent as ``Outbox._validate`` accepted it.
+Checked = tuple[str, str, str | None, Any]
+
+
+class EnqueueHost(Protocol):
+    """What the mixins here and in :mod:`outbox.transaction` use of the
+    :class:`~outbox.client.Outbox` they are mixed into (the client checks it has them)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def enqueue(
+        self,
+        *,
+        endpoint: str,
+        method: str,
+        path: str,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        operation_id: str | None = None,
+        tenant: str = "",
+        ordering_key: str | None = None,
+        connection: Any = None,
+    ) -> Operation: ...
+
+    def enqueue_many(
+        self, intents: Sequence[Intent], *, connection: Any = None
+    ) -> list[Operation]: ...
+
+    async def enqueue_async(
+        self,
+        *,
+        endpoint: str,
+        method: str,
+        path: str,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        operation_id: str | None = None,
+        tenant: str = "",
+        ordering_key: str | None = None,
+        connection: Any = None,
+    ) -> Operation: ...
+
+    async def enqueue_many_async(
+        self, intents: Sequence[Intent], *, connection: Any = None
+    ) -> list[Operation]: ...
+
+    def get(self, operation_id: str, *, tenant: str = "") -> Operation: ...
+
+    def find(self, operation_id: str, *, tenant: str = "") -> Operation | None: ...
+
+    def _refuse_if_caller_holds_the_lock(self) -> None: ...
+
+    def _validate(self, intent: Intent) -> Checked: ...
+
+    def _enqueue_checked(self, conn: Connection, checked: Checked) -> Operation: ...
+
+    def _enqueue_many_on(self, conn: Connection, checked: list[Checked]) -> list[Operation]: ...
+
+
+def _outbox(obj: object) -> EnqueueHost:
+    return cast("EnqueueHost", obj)
 
 
 class AsyncMethods:
@@ -77,8 +137,6 @@ class AsyncMethods:
         ``AsyncConnection`` or ``AsyncSession``) the operation joins that transaction and
         is never committed by us; same validation, same idempotent re-enqueue, same
         :class:`OperationConflict`."""
-        from outbox.client import Intent
-
         ob = _outbox(self)
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from outbox import lookup
 from outbox.errors import (
     ConcurrentModification,
     ConfigurationError,
@@ -23,13 +22,14 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.model import Action, Operation, Reason, State
-from outbox.reconcile import Reconciler, StatusReport, _check_actor, _check_note, default_operator
+from outbox.reconcile import Reconciler, StatusReport, check_actor, check_note, default_operator
+from outbox.reconcile.probe import probe, skip_reason
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
 from outbox.store.base import AuditRecord
 
 if TYPE_CHECKING:
-    from outbox.client import Outbox
+    from outbox.parts import OutboxParts
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ class Overview:
 class Browser:
     """Read-only views of an outbox, paged with totals."""
 
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(self, outbox: OutboxParts) -> None:
         self.outbox = outbox
         self.store = outbox.store
 
@@ -188,7 +188,7 @@ class GuardedReconciler(Reconciler):
     """
 
     def __init__(
-        self, outbox: Outbox, *, expected_version: int | None = None, dry_run: bool = False
+        self, outbox: OutboxParts, *, expected_version: int | None = None, dry_run: bool = False
     ) -> None:
         super().__init__(outbox)
         self._expected = expected_version
@@ -225,8 +225,8 @@ class GuardedReconciler(Reconciler):
                 operator=operator,
                 details=details,
             )
-        _check_note(note)
-        _check_actor(operator or default_operator())
+        check_note(note)
+        check_actor(operator or default_operator())
         return dataclasses.replace(
             op, state=to_state, reason=None if to_state is not State.UNRESOLVED else op.reason
         )
@@ -259,15 +259,15 @@ class BulkReport:
 BULK_ACTIONS = ("resolve", "requeue", "cancel", "probe")
 
 
-def probe_refusal(outbox: Outbox, op: Operation) -> str | None:
-    """Why :func:`outbox.lookup.probe` would not look ``op`` up, or None if it would."""
+def probe_refusal(outbox: OutboxParts, op: Operation) -> str | None:
+    """Why :func:`outbox.reconcile.probe.probe` would not look ``op`` up, or None if it would."""
     if op.state is not State.UNRESOLVED:
         return f"operation {op.operation_id!r} is {op.state.value}, not unresolved"
-    return lookup._skip_reason(outbox, op)
+    return skip_reason(outbox, op)
 
 
 def _probe_one(
-    outbox: Outbox, tenant: str, operation_id: str, version: int, *, dry_run: bool
+    outbox: OutboxParts, tenant: str, operation_id: str, version: int, *, dry_run: bool
 ) -> BulkItem:
     op = outbox.get(operation_id, tenant=tenant)
     if op.version != version:
@@ -280,7 +280,7 @@ def _probe_one(
         raise OperatorActionRefused(f"cannot probe {operation_id!r}: {refusal}")
     if dry_run:
         return BulkItem(tenant, operation_id, version, "would apply", "would ask the receiver")
-    outcome = lookup.probe(outbox, operation_id, tenant=tenant)
+    outcome = probe(outbox, operation_id, tenant=tenant)
     return BulkItem(
         tenant,
         operation_id,
@@ -292,7 +292,7 @@ def _probe_one(
 
 
 def bulk_action(
-    outbox: Outbox,
+    outbox: OutboxParts,
     targets: list[tuple[str, str, int]],
     *,
     action: str,
@@ -312,8 +312,8 @@ def bulk_action(
     if action == "resolve" and outcome not in ("succeeded", "failed"):
         raise ValidationError("resolve needs an outcome: succeeded or failed")
     if action != "probe":  # a probe's settlement is audited with the receiver's answer
-        _check_note(note)
-    _check_actor(operator)
+        check_note(note)
+    check_actor(operator)
     items = []
     for tenant, operation_id, version in targets:
         rec = GuardedReconciler(outbox, expected_version=version, dry_run=dry_run)

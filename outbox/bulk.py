@@ -25,8 +25,8 @@ from outbox.reconcile import (
     Plan,
     Reconciler,
     Refusal,
-    _check_actor,
-    _check_note,
+    check_actor,
+    check_note,
     default_operator,
 )
 
@@ -165,8 +165,8 @@ def bulk(
     if action == "resolve" and outcome is None:
         raise ValidationError("resolve takes --as succeeded or --as failed")
     # Checked once up front (a dry run too): a bad note must not fail every operation.
-    _check_note(note)
-    _check_actor(operator or default_operator())
+    check_note(note)
+    check_actor(operator or default_operator())
     _, needs_attempts = _ACTIONS[action]
     ops = selected if selected is not None else select(rec, action, selection)
     report = BulkReport(action=action, dry_run=dry_run, selection=selection)

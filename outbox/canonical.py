@@ -57,6 +57,20 @@ class CanonicalArgs:
     args_sha256: str
 
 
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """One operation for ``enqueue_many``: the same arguments as ``enqueue``."""
+
+    endpoint: str
+    method: str
+    path: str
+    json: Any = None
+    headers: Mapping[str, str] | None = None
+    operation_id: str | None = None
+    tenant: str = ""
+    ordering_key: str | None = None
+
+
 def check_operation_id(operation_id: object) -> str:
     if not isinstance(operation_id, str) or not OPERATION_ID_PATTERN.fullmatch(operation_id):
         raise ValidationError(

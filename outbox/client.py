@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import signal
 import sys
@@ -13,16 +14,16 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from outbox.aio import AsyncMethods, is_async_connection
+from outbox.aio import AsyncMethods, EnqueueHost, is_async_connection
 from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
+    Intent,
     canonicalize,
     check_operation_id,
     check_ordering_key,
@@ -61,20 +62,6 @@ if TYPE_CHECKING:
 
 #: Engines made by outbox.create_engine: safe to use for our own SQLite writes.
 _CONFIGURED: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-@dataclass(frozen=True, slots=True)
-class Intent:
-    """One operation for ``enqueue_many``: the same arguments as ``enqueue``."""
-
-    endpoint: str
-    method: str
-    path: str
-    json: Any = None
-    headers: Mapping[str, str] | None = None
-    operation_id: str | None = None
-    tenant: str = ""
-    ordering_key: str | None = None
 
 
 #: Own-transaction enqueue from a caller that holds the SQLite file's write lock.
@@ -559,6 +546,7 @@ class Outbox(AsyncMethods, TransactionMethods):
 
     def dispatcher(self, settings: DispatcherSettings | None = None) -> Dispatcher:
         from outbox.dispatch import Dispatcher
+        from outbox.reconcile.probe import settle_after_dispatch
 
         return Dispatcher(
             store=self.store,
@@ -566,7 +554,8 @@ class Outbox(AsyncMethods, TransactionMethods):
             clock=self.clock,
             settings=settings or self.dispatcher_settings,
             transport_factory=self.transport_factory,
-            outbox=self,
+            on_unresolved=functools.partial(settle_after_dispatch, self),
+            secret_headers=self.secret_headers,
             instrumentation=self._instrumentation(),
         )
 
@@ -639,3 +628,8 @@ async def _watch(flag: threading.Event, stopping: asyncio.Event) -> None:
     while not flag.is_set():
         await asyncio.sleep(0.05)
     stopping.set()
+
+
+if TYPE_CHECKING:
+    # The mixins' view of the Outbox (outbox.aio.EnqueueHost) is one it satisfies.
+    _host: type[EnqueueHost] = Outbox

@@ -6,24 +6,24 @@ All are frozen and keyword-only; units are in the names or in the types.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from outbox.body import DEFAULT_READ_LIMIT
 from outbox.errors import ConfigurationError
-from outbox.model import PolicySnapshot
+from outbox.model import LookupResult, PolicySnapshot
 
 if TYPE_CHECKING:
     # Annotations only: reading an outbox (the operator's commands) never needs httpx.
     import httpx
 
     from outbox.classify import Classification
-    from outbox.lookup import StatusLookup
 
 #: A tenacity wait strategy: a callable taking a ``RetryCallState`` and giving seconds.
 WaitStrategy: TypeAlias = Callable[[Any], float]
@@ -112,6 +112,85 @@ class RetryPolicy:
     @property
     def window_ms(self) -> int:
         return int(self.window.total_seconds() * 1000)
+
+
+#: Classifies a status lookup's (fully read) response.
+LookupClassifier: TypeAlias = Callable[["httpx.Response"], LookupResult]
+
+
+def default_classify(response: httpx.Response) -> LookupResult:
+    """The route of :class:`outbox.testing.Receiver` (and receivers shaped like it).
+
+    ``200 {"state": "applied", "response": {"status": S, "body": B}}`` is APPLIED with
+    that response when S is 2xx (or absent); a stored non-2xx response is UNKNOWN (the
+    receiver did something but answered an error: a person decides). ``404`` is
+    NOT_APPLIED. Everything else (``409 {"state": "processing"}``, 5xx, auth errors, a
+    body not understood) is UNKNOWN.
+    """
+    status = response.status_code
+    if status == 404:
+        return LookupResult.not_applied("the receiver has no record of the key")
+    if status != 200:
+        return LookupResult.unknown(f"the receiver answered {status}")
+    try:
+        data = json.loads(response.content)
+    except ValueError:
+        return LookupResult.unknown("200 with a body that is not JSON")
+    if not isinstance(data, dict) or data.get("state") != "applied":
+        state = data.get("state") if isinstance(data, dict) else None
+        return LookupResult.unknown(f"200 but the state is {state!r}, not 'applied'")
+    stored = data.get("response")
+    stored_status = stored.get("status") if isinstance(stored, dict) else None
+    if isinstance(stored_status, int) and not 200 <= stored_status < 300:
+        return LookupResult.unknown(
+            f"the receiver holds the key with a stored {stored_status} response; "
+            "whether that counts as done is for a person to decide"
+        )
+    return LookupResult.applied(stored, "the receiver reports the operation applied")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusLookup:
+    """How to ask an endpoint's receiver about one operation key.
+
+    ``path`` is relative to the endpoint's ``base_url`` and names the operation with
+    ``{operation_id}`` (and optionally the tenant with ``{tenant}``); both are
+    percent-encoded. ``{operation_id}`` is the key as sent: with
+    ``tenant_scope="key_prefix"``, ``<tenant>/<operation ID>``. The endpoint's auth,
+    static headers, request ID header and tenant header are sent; the idempotency
+    header is not (a lookup is not an operation).
+    """
+
+    path: str = "/operations/{operation_id}"
+    classify: LookupClassifier = default_classify
+    method: str = "GET"
+    #: The dispatcher asks as soon as an operation becomes unresolved: an "applied"
+    #: answer settles it as succeeded at once; any other answer is left as evidence.
+    on_unresolved: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/") or "{operation_id}" not in self.path:
+            raise ConfigurationError(
+                f"status_lookup path must start with '/' and contain {{operation_id}}, "
+                f"got {self.path!r}"
+            )
+        try:
+            self.path.format(operation_id="x", tenant="t")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigurationError(
+                f"status_lookup path {self.path!r} may only use {{operation_id}} and "
+                f"{{tenant}}: {exc!r}"
+            ) from exc
+        if not callable(self.classify):
+            raise ConfigurationError("status_lookup classify must be a callable")
+        if not self.method.isalpha():
+            raise ConfigurationError(f"status_lookup method {self.method!r} is not a method")
+        object.__setattr__(self, "method", self.method.upper())
+
+    def target(self, operation_id: str, tenant: str = "") -> str:
+        return self.path.format(
+            operation_id=quote(operation_id, safe=""), tenant=quote(tenant, safe="")
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,8 +310,7 @@ class Endpoint:
             )
         if self.tenant_auth is not None and scope is not TenantScope.CREDENTIALS:
             raise ConfigurationError(
-                f"endpoint {self.name!r}: tenant_auth is only used with "
-                "tenant_scope='credentials'"
+                f"endpoint {self.name!r}: tenant_auth is only used with tenant_scope='credentials'"
             )
         if self.replay_status is not None and not 400 <= self.replay_status < 500:
             raise ConfigurationError(

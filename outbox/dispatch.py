@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +25,7 @@ from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
 from outbox.dbthread import DatabaseUnresponsive, DbThread, error_detail, is_transient
 from outbox.errors import StoreError
 from outbox.logs import get_logger
+from outbox.lookup import lookup_status
 from outbox.model import Delivery, ErrorClass, Reason, State, Verdict
 from outbox.observe import NOTHING, Instrumentation
 from outbox.policy import decide, reason_from_history
@@ -34,12 +35,16 @@ from outbox.transport import AttemptResult, build_client, request_headers, send_
 from outbox.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from outbox.client import Outbox
+    from outbox.reconcile.probe import ProbeOutcome
 
 logger = get_logger("outbox.dispatch")
 
 T = TypeVar("T")
 TransportFactory = Callable[[Endpoint], httpx.AsyncBaseTransport | None]
+#: Settles an operation that just became unresolved from its status lookup's answer,
+#: on the dispatcher's database thread: ``(operation_id=, tenant=, result=)``; the
+#: client supplies :func:`outbox.reconcile.probe.settle_after_dispatch`.
+OnUnresolved = Callable[..., "ProbeOutcome | None"]
 
 #: How often a dispatcher re-reads the database server's clock (PostgreSQL).
 _CLOCK_SYNC_SECONDS = 30.0
@@ -114,13 +119,16 @@ class Dispatcher:
         clock: Clock,
         settings: DispatcherSettings,
         transport_factory: TransportFactory | None = None,
-        outbox: Outbox | None = None,
+        on_unresolved: OnUnresolved | None = None,
+        secret_headers: Sequence[str] = (),
         instrumentation: Instrumentation | None = None,
     ) -> None:
         self.store = store
         self._observe = instrumentation or NOTHING
-        # Needed to settle operations through a status lookup (audited operator actions).
-        self._outbox = outbox
+        # Settles an operation from a status lookup made as it became unresolved.
+        self._on_unresolved = on_unresolved
+        # Header names whose values are credentials: redacted where a receiver echoes them.
+        self._secret_headers = tuple(secret_headers)
         self._lookups: set[asyncio.Task[None]] = set()
         self.endpoints = dict(endpoints)
         self.clock = clock
@@ -553,7 +561,7 @@ class Dispatcher:
                 body=c.body.encode("utf-8") if c.body is not None else None,
                 now_ms=self.clock.now_ms,
                 public_headers=_json_headers(c.headers_json),
-                secret_headers=self._outbox.secret_headers if self._outbox else (),
+                secret_headers=self._secret_headers,
             )
             self._observe.attempt_sent(traced, result)
             log.info(
@@ -714,7 +722,7 @@ class Dispatcher:
         """Ask the receiver about an operation that just became unresolved, if it can be asked."""
         endpoint = self.endpoints.get(names.get("endpoint", ""))
         if (
-            self._outbox is None
+            self._on_unresolved is None
             or endpoint is None
             or endpoint.status_lookup is None
             or not endpoint.status_lookup.on_unresolved
@@ -728,14 +736,12 @@ class Dispatcher:
         task.add_done_callback(self._lookups.discard)
 
     async def _look_up(self, endpoint: Endpoint, operation_id: str, tenant: str) -> None:
-        from outbox.lookup import lookup_status, settle_after_dispatch
-
         log = self._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
         try:
             result = await lookup_status(self._client(endpoint), endpoint, operation_id, tenant)
+            assert self._on_unresolved is not None
             outcome = await self._run_db(
-                settle_after_dispatch, outbox=self._outbox, operation_id=operation_id,
-                tenant=tenant, result=result,
+                self._on_unresolved, operation_id=operation_id, tenant=tenant, result=result
             )
         except Exception:
             log.exception("status_lookup_failed")

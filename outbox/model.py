@@ -271,3 +271,63 @@ class Operation:
     @property
     def is_settled(self) -> bool:
         return self.state.is_settled
+
+
+class LookupStatus(enum.StrEnum):
+    """What the receiver says about an operation key."""
+
+    #: The receiver applied it; the lookup carries its stored result.
+    APPLIED = "applied"
+    #: The receiver has no record of the key.
+    NOT_APPLIED = "not_applied"
+    #: Anything else: processing, an error, an answer not understood, no answer.
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """A classified status lookup, with the evidence it rests on."""
+
+    status: LookupStatus
+    #: The receiver's stored result of the operation (APPLIED only).
+    result: Any = None
+    #: Why, in plain words.
+    detail: str = ""
+    #: Filled in by :func:`lookup_status`: what was asked and what came back.
+    method: str | None = None
+    path: str | None = None
+    http_status: int | None = None
+    request_id: str | None = None
+    body: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def applied(cls, result: Any = None, detail: str = "") -> LookupResult:
+        return cls(LookupStatus.APPLIED, result, detail or "the receiver applied it")
+
+    @classmethod
+    def not_applied(cls, detail: str = "") -> LookupResult:
+        return cls(LookupStatus.NOT_APPLIED, None, detail or "the receiver has no record of it")
+
+    @classmethod
+    def unknown(cls, detail: str = "") -> LookupResult:
+        return cls(LookupStatus.UNKNOWN, None, detail or "the answer does not tell")
+
+    def describe(self) -> str:
+        """``GET /operations/x -> 404: the receiver has no record of it``."""
+        asked = f"{self.method} {self.path}" if self.method and self.path else "lookup"
+        got = str(self.http_status) if self.http_status is not None else (self.error or "-")
+        return f"{asked} -> {got}: {self.detail}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status.value,
+            "result": self.result,
+            "detail": self.detail,
+            "method": self.method,
+            "path": self.path,
+            "http_status": self.http_status,
+            "request_id": self.request_id,
+            "body": self.body,
+            "error": self.error,
+        }

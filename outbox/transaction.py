@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Connection, Engine
 
-from outbox.aio import is_async_connection
+from outbox.aio import EnqueueHost, is_async_connection
 from outbox.errors import ValidationError
 from outbox.model import Operation
 
 if TYPE_CHECKING:
-    from outbox.client import Intent, Outbox
+    from outbox.canonical import Intent
 
 
 class Transaction:
     """What ``with ob.transaction(...)`` yields."""
 
-    def __init__(self, outbox: Outbox, connection: Any) -> None:
+    def __init__(self, outbox: EnqueueHost, connection: Any) -> None:
         self.outbox = outbox
         #: The Connection the block runs in (or the Session you passed): run your own
         #: statements on it.
@@ -72,7 +72,7 @@ class Transaction:
 class AsyncTransaction:
     """What ``async with ob.transaction_async(...)`` yields."""
 
-    def __init__(self, outbox: Outbox, connection: Any) -> None:
+    def __init__(self, outbox: EnqueueHost, connection: Any) -> None:
         self.outbox = outbox
         #: The AsyncConnection the block runs in (or the AsyncSession you passed).
         self.connection = connection
@@ -120,7 +120,7 @@ class TransactionMethods:
     def transaction(self, target: Any) -> Iterator[Transaction]:
         """Your transaction on ``target`` (an Engine, Connection or ORM Session) and an
         ``enqueue`` bound to it. See the module docstring."""
-        ob = cast("Outbox", self)
+        ob = cast("EnqueueHost", self)
         if is_async_connection(target):
             raise ValidationError(
                 f"{type(target).__name__} is asynchronous: use "
@@ -147,7 +147,7 @@ class TransactionMethods:
         """:meth:`transaction` for an AsyncEngine, AsyncConnection or AsyncSession."""
         from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-        ob = cast("Outbox", self)
+        ob = cast("EnqueueHost", self)
         if isinstance(target, AsyncEngine):
             async with target.begin() as conn:
                 yield AsyncTransaction(ob, conn)

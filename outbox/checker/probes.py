@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from outbox.body import read_body
-from outbox.lookup import LookupResult, lookup_status
-from outbox.model import Verdict
+from outbox.lookup import lookup_status
+from outbox.model import LookupResult, Verdict
 from outbox.transport import classify_response, clean_message, request_headers
 
 if TYPE_CHECKING:

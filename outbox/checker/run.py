@@ -26,7 +26,7 @@ from outbox.checker.verdicts import (
     tenants_kept_apart,
 )
 from outbox.errors import ConfigurationError, ValidationError
-from outbox.lookup import LookupResult
+from outbox.model import LookupResult
 from outbox.transport import build_client
 
 if TYPE_CHECKING:

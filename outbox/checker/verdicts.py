@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.checker.probes import BODY_EVIDENCE_CHARS, Observed, lookup_evidence, reading
 from outbox.checker.report import CheckVerdict
-from outbox.lookup import LookupStatus
-from outbox.model import Verdict
+from outbox.model import LookupStatus, Verdict
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
-    from outbox.lookup import LookupResult
+    from outbox.model import LookupResult
 
 _NOT_ACCEPTED = (
     "the first probe was not accepted ({status}), so nothing could be checked: "

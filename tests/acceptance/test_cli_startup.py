@@ -31,6 +31,7 @@ NOT_ON_READ = (
     "outbox.dispatch",
     "outbox.transport",
     "outbox.lookup",
+    "outbox.reconcile.probe",
     "outbox.checker",
     "outbox.policy",
     "outbox.bulk",

@@ -28,8 +28,8 @@ from outbox.checker import (
     check_receiver,
 )
 from outbox.cli import main
+from outbox.config import StatusLookup
 from outbox.errors import ConfigurationError, ValidationError
-from outbox.lookup import StatusLookup
 from outbox.testing.receiver import Receiver
 
 BODY = {"sku": "TEST-BOLT", "quantity": 2}
@@ -258,7 +258,7 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rx: Receiver, *, safe:
     db = f"sqlite:///{tmp_path / (name + '.sqlite3')}"
     (tmp_path / f"{name}.py").write_text(
         "from outbox import Endpoint, Outbox\n"
-        "from outbox.lookup import StatusLookup\n\n\n"
+        "from outbox.config import StatusLookup\n\n\n"
         "def build() -> Outbox:\n"
         f"    return Outbox({db!r}, endpoints=[Endpoint(name='rx', base_url={rx.url!r},\n"
         f"        timeout=5.0, probe_safe={safe!r}, status_lookup=StatusLookup(),\n"

@@ -21,9 +21,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from outbox import Endpoint, FakeClock, Outbox, RetryPolicy
+from outbox.config import StatusLookup
 from outbox.console import Credentials, create_app
 from outbox.console.app import CSP, SESSION_COOKIE
-from outbox.lookup import StatusLookup
 from outbox.testing.receiver import Receiver
 from tests.integration import _reconcile_states as S
 from tests.integration._reconcile_states import BUSY, DARK, LOST, OK, WAIT, World

@@ -24,18 +24,11 @@ from tenacity import wait_fixed
 
 from outbox import Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State
 from outbox.cli import main
+from outbox.config import StatusLookup, default_classify
 from outbox.errors import ConfigurationError, OperatorActionRefused
-from outbox.lookup import (
-    ACTOR,
-    LookupResult,
-    LookupStatus,
-    ProbeAction,
-    StatusLookup,
-    default_classify,
-    lookup_status,
-    probe,
-    probe_all,
-)
+from outbox.lookup import lookup_status
+from outbox.model import LookupResult, LookupStatus
+from outbox.reconcile.probe import ACTOR, ProbeAction, probe, probe_all
 from outbox.testing.receiver import Receiver
 
 MakeOutbox = Callable[..., Outbox]
@@ -370,7 +363,7 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db_url: str, url: str)
     (tmp_path / f"{name}.py").write_text(
         "from datetime import timedelta\n"
         "from outbox import Endpoint, FakeClock, Outbox, RetryPolicy\n"
-        "from outbox.lookup import StatusLookup\n\n\n"
+        "from outbox.config import StatusLookup\n\n\n"
         "def build() -> Outbox:\n"
         f"    endpoint = Endpoint(name='rx', base_url={url!r}, timeout=2.0,\n"
         "        retry=RetryPolicy(max_attempts=2, window=timedelta(seconds=5)),\n"

@@ -1,0 +1,48 @@
+"""The :class:`Reconciler`: the operator's actions, and the status-lookup probes."""
+
+from __future__ import annotations
+
+import builtins
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from outbox.model import Reason
+from outbox.reconcile.actions import OperatorActions
+
+if TYPE_CHECKING:
+    from outbox.reconcile.probe import ProbeOutcome
+
+
+class Reconciler(OperatorActions):
+    """The operator's view of an outbox. The CLI and the console are thin layers over it.
+
+    The probes ask receivers over HTTP, so their module (and httpx) is imported only
+    when one runs: a read command stays fast.
+    """
+
+    def probe(self, operation_id: str, *, tenant: str = "") -> ProbeOutcome:
+        """Ask the receiver (the endpoint's status_lookup) and settle a definitive answer."""
+        from outbox.reconcile.probe import probe
+
+        return probe(self.outbox, operation_id, tenant=tenant)
+
+    def probe_all(
+        self,
+        *,
+        endpoint: str | None = None,
+        tenant: str | None = None,
+        reason: Reason | str | None = None,
+        older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
+    ) -> builtins.list[ProbeOutcome]:
+        """:meth:`probe` every unresolved operation (optionally filtered)."""
+        from outbox.reconcile.probe import probe_all
+
+        return probe_all(
+            self.outbox,
+            endpoint=endpoint,
+            tenant=tenant,
+            reason=reason,
+            older_than=older_than,
+            newer_than=newer_than,
+        )
