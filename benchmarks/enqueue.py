@@ -40,7 +40,7 @@ def _bare_row(op_id: str, body: dict[str, Any], now_ms: int) -> dict[str, Any]:
     """The row ``enqueue`` writes (the store's own ``operation_row``, from the canonical
     arguments), without anything else ``enqueue`` does."""
     from outbox.canonical import canonicalize
-    from outbox.store.base import operation_row
+    from outbox.store.rows import operation_row
 
     args = canonicalize(
         endpoint="rx",

@@ -26,7 +26,7 @@ from outbox.reconcile import Reconciler, StatusReport, check_actor, check_note, 
 from outbox.reconcile.probe import probe, skip_reason
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
-from outbox.store.base import AuditRecord
+from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:
     from outbox.parts import OutboxParts

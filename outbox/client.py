@@ -43,10 +43,10 @@ from outbox.errors import (
 from outbox.model import Operation, State
 from outbox.observe import Instrumentation, combine
 from outbox.store import Store, store_for
-from outbox.store.base import operation_row
 from outbox.store.commit import Key, write_and_commit
 from outbox.store.engine import DEFAULT_URL, create_engine
 from outbox.store.migrate import ensure_schema
+from outbox.store.rows import operation_row
 from outbox.transaction import TransactionMethods
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from outbox.model import (
     ms_to_iso,
 )
 from outbox.status import Watch
-from outbox.store.base import AuditRecord
+from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:
     pass

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    Row,
-    bindparam,
-    delete,
-    exists,
-    func,
-    insert,
-    literal_column,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import Connection, Engine, exists, func, insert, or_, select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.canonical import CanonicalArgs
 from outbox.errors import NotStoredError, StoreError
@@ -34,56 +19,29 @@ from outbox.model import (
     ErrorClass,
     Operation,
     PolicySnapshot,
-    Reason,
-    Result,
     State,
-    Verdict,
 )
 from outbox.store.changes import ChangeSource
 from outbox.store.commit import TxStatus
+from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
+    InsertResult,
     Recovered,
     Settlement,
     StartedAttempt,
 )
-from outbox.store.tables import attempts, audit, operations
-
-o = operations
-a = attempts
-
-
-def _states(*states: State) -> list[Any]:
-    # Literal values, not bound parameters: SQLite uses a partial index only when it can
-    # see that the query's WHERE implies the index's.
-    return [literal_column(f"'{s.value}'") for s in states]
+from outbox.store.rows import (
+    attempt_from_row,
+    operation_from_row,
+    operation_row,
+)
+from outbox.store.statements import _ATTEMPT_OUTCOME, DUE, _outcome_update, _states
+from outbox.store.tables import attempts, operations
 
 
-DUE: ColumnElement[bool] = o.c.state.in_(_states(State.PENDING, State.IN_FLIGHT))
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    pk: int
-    created: bool
-    args_sha256: str
-
-
-@dataclass(frozen=True, slots=True)
-class AuditRecord:
-    tenant: str
-    operation_id: str
-    actor: str
-    action: str
-    from_state: str | None
-    to_state: str | None
-    note: str
-    details: dict[str, Any] | None
-    at_ms: int
-
-
-class Store:
+class Store(OperatorQueries):
     """Every read and write of the outbox tables. Subclasses add the dialect's claim."""
 
     dialect = "generic"
@@ -95,9 +53,9 @@ class Store:
         # SQLAlchemy more than the database spends on it (each value coerced and hashed
         # into a cache key, on every call).
         wake = self._insert_wakes()
-        self._insert_one = self._insert_ignoring_duplicate().returning(o.c.id, *wake)
+        self._insert_one = self._insert_ignoring_duplicate().returning(operations.c.id, *wake)
         self._insert_many = self._insert_ignoring_duplicate().returning(
-            o.c.id, o.c.tenant, o.c.operation_id, *wake
+            operations.c.id, operations.c.tenant, operations.c.operation_id, *wake
         )
 
     # -- transactions -------------------------------------------------------------
@@ -146,7 +104,9 @@ class Store:
         operations (a scheduled retry, an expiring lease), through the due index."""
         with self.read() as conn:
             value = conn.execute(
-                select(func.min(o.c.next_attempt_at)).where(DUE, o.c.next_attempt_at > now_ms)
+                select(func.min(operations.c.next_attempt_at)).where(
+                    DUE, operations.c.next_attempt_at > now_ms
+                )
             ).scalar()
         return int(value) if value is not None else None
 
@@ -195,8 +155,8 @@ class Store:
             if pk is not None:
                 return InsertResult(pk=pk, created=True, args_sha256=args.args_sha256)
             row = conn.execute(
-                select(o.c.id, o.c.args_sha256).where(
-                    o.c.tenant == tenant, o.c.operation_id == operation_id
+                select(operations.c.id, operations.c.args_sha256).where(
+                    operations.c.tenant == tenant, operations.c.operation_id == operation_id
                 )
             ).one()
         except DBAPIError as exc:
@@ -223,31 +183,39 @@ class Store:
     ) -> Operation | None:
         with self.read() as conn:
             row = conn.execute(
-                select(o).where(o.c.tenant == tenant, o.c.operation_id == operation_id)
+                select(operations).where(
+                    operations.c.tenant == tenant, operations.c.operation_id == operation_id
+                )
             ).one_or_none()
             if row is None:
                 return None
             history: tuple[Attempt, ...] = ()
             if with_attempts:
                 history = tuple(
-                    _attempt(r)
+                    attempt_from_row(r)
                     for r in conn.execute(
-                        select(a).where(a.c.operation_pk == row.id).order_by(a.c.number)
+                        select(attempts)
+                        .where(attempts.c.operation_pk == row.id)
+                        .order_by(attempts.c.number)
                     )
                 )
-        return _operation(row, history)
+        return operation_from_row(row, history)
 
     def operation_on(self, conn: Connection, tenant: str, operation_id: str) -> Operation:
         """Read an operation on the given connection (inside its transaction)."""
         row = conn.execute(
-            select(o).where(o.c.tenant == tenant, o.c.operation_id == operation_id)
+            select(operations).where(
+                operations.c.tenant == tenant, operations.c.operation_id == operation_id
+            )
         ).one()
-        return _operation(row, ())
+        return operation_from_row(row, ())
 
     def get_state(self, tenant: str, operation_id: str) -> State | None:
         with self.read() as conn:
             value = conn.execute(
-                select(o.c.state).where(o.c.tenant == tenant, o.c.operation_id == operation_id)
+                select(operations.c.state).where(
+                    operations.c.tenant == tenant, operations.c.operation_id == operation_id
+                )
             ).scalar()
         return State(value) if value is not None else None
 
@@ -257,14 +225,14 @@ class Store:
             return None
         with self.read() as conn:
             return conn.execute(
-                select(o.c.operation_id)
+                select(operations.c.operation_id)
                 .where(
-                    o.c.tenant == op.tenant,
-                    o.c.ordering_key == op.ordering_key,
-                    o.c.id < op.pk,
-                    o.c.state.in_([s.value for s in BLOCKING_STATES]),
+                    operations.c.tenant == op.tenant,
+                    operations.c.ordering_key == op.ordering_key,
+                    operations.c.id < op.pk,
+                    operations.c.state.in_([s.value for s in BLOCKING_STATES]),
                 )
-                .order_by(o.c.id)
+                .order_by(operations.c.id)
                 .limit(1)
             ).scalar()
 
@@ -273,18 +241,18 @@ class Store:
 
     def _due_ids(self, now_ms: int, limit: int) -> Any:
         """SELECT of the ids a claim may take, oldest due first."""
-        earlier = o.alias("earlier")
+        earlier = operations.alias("earlier")
         blocked = exists().where(
-            earlier.c.tenant == o.c.tenant,
-            earlier.c.ordering_key == o.c.ordering_key,
-            earlier.c.id < o.c.id,
+            earlier.c.tenant == operations.c.tenant,
+            earlier.c.ordering_key == operations.c.ordering_key,
+            earlier.c.id < operations.c.id,
             earlier.c.state.in_(_states(State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)),
         )
         return (
-            select(o.c.id)
-            .where(DUE, o.c.next_attempt_at <= now_ms)
-            .where(or_(o.c.ordering_key.is_(None), ~blocked))
-            .order_by(o.c.next_attempt_at)
+            select(operations.c.id)
+            .where(DUE, operations.c.next_attempt_at <= now_ms)
+            .where(or_(operations.c.ordering_key.is_(None), ~blocked))
+            .order_by(operations.c.next_attempt_at)
             .limit(limit)
         )
 
@@ -292,25 +260,25 @@ class Store:
         raise NotImplementedError
 
     _CLAIMED_COLUMNS = (
-        o.c.id,
-        o.c.tenant,
-        o.c.operation_id,
-        o.c.endpoint,
-        o.c.method,
-        o.c.path,
-        o.c.headers,
-        o.c.body,
-        o.c.attempts_counted,
-        o.c.attempts_total,
-        o.c.maybe_delivered,
-        o.c.saw_refusal,
-        o.c.first_attempt_at,
-        o.c.window_started_at,
-        o.c.lease_until,
-        o.c.created_at,
-        o.c.traceparent,
-        o.c.attempts_in_progress,
-        o.c.policy_window_ms,
+        operations.c.id,
+        operations.c.tenant,
+        operations.c.operation_id,
+        operations.c.endpoint,
+        operations.c.method,
+        operations.c.path,
+        operations.c.headers,
+        operations.c.body,
+        operations.c.attempts_counted,
+        operations.c.attempts_total,
+        operations.c.maybe_delivered,
+        operations.c.saw_refusal,
+        operations.c.first_attempt_at,
+        operations.c.window_started_at,
+        operations.c.lease_until,
+        operations.c.created_at,
+        operations.c.traceparent,
+        operations.c.attempts_in_progress,
+        operations.c.policy_window_ms,
     )
 
     def claim(
@@ -328,7 +296,7 @@ class Store:
             "lease_owner": owner,
             "lease_until": until,
             "next_attempt_at": until,
-            "version": o.c.version + 1,
+            "version": operations.c.version + 1,
             "updated_at": now_ms,
         }
         with self.write() as conn:
@@ -364,12 +332,11 @@ class Store:
             # Only a row taken over from an expired lease can have an open attempt. A
             # dialect whose claim cannot say what the row was (no "was" column) checks all.
             taken_over = [
-                r.id for r in rows
+                r.id
+                for r in rows
                 if r._mapping.get("was", State.IN_FLIGHT.value) == State.IN_FLIGHT.value
             ]
-            recovered = (
-                self._close_open_attempts(conn, taken_over, now_ms) if taken_over else []
-            )
+            recovered = self._close_open_attempts(conn, taken_over, now_ms) if taken_over else []
         if recovered:
             flagged = {r.pk for r in recovered}
             claimed = [replace(c, maybe_delivered=True) if c.pk in flagged else c for c in claimed]
@@ -379,8 +346,8 @@ class Store:
         self, conn: Connection, pks: Sequence[int], now_ms: int
     ) -> list[Recovered]:
         rows = conn.execute(
-            update(a)
-            .where(a.c.operation_pk.in_(pks), a.c.delivery.is_(None))
+            update(attempts)
+            .where(attempts.c.operation_pk.in_(pks), attempts.c.delivery.is_(None))
             .values(
                 delivery=Delivery.UNKNOWN.value,
                 finished_at=now_ms,
@@ -390,12 +357,17 @@ class Store:
                     "(it crashed, was killed or paused); the request may have been sent"
                 ),
             )
-            .returning(a.c.operation_pk, a.c.request_id, a.c.number, a.c.dispatcher_id)
+            .returning(
+                attempts.c.operation_pk,
+                attempts.c.request_id,
+                attempts.c.number,
+                attempts.c.dispatcher_id,
+            )
         ).all()
         if rows:
             conn.execute(
-                update(o)
-                .where(o.c.id.in_([r.operation_pk for r in rows]))
+                update(operations)
+                .where(operations.c.id.in_([r.operation_pk for r in rows]))
                 .values(maybe_delivered=True)
             )
         return [
@@ -426,17 +398,22 @@ class Store:
             return []
         with self.write() as conn:
             rows = conn.execute(
-                update(o)
-                .where(o.c.id.in_(list(request_ids)), o.c.lease_token == token)
+                update(operations)
+                .where(operations.c.id.in_(list(request_ids)), operations.c.lease_token == token)
                 .values(
-                    attempts_total=o.c.attempts_total + 1,
-                    attempts_counted=o.c.attempts_counted + 1,
-                    first_attempt_at=func.coalesce(o.c.first_attempt_at, now_ms),
-                    window_started_at=func.coalesce(o.c.window_started_at, now_ms),
+                    attempts_total=operations.c.attempts_total + 1,
+                    attempts_counted=operations.c.attempts_counted + 1,
+                    first_attempt_at=func.coalesce(operations.c.first_attempt_at, now_ms),
+                    window_started_at=func.coalesce(operations.c.window_started_at, now_ms),
                     last_error=None,
                     updated_at=now_ms,
                 )
-                .returning(o.c.id, o.c.attempts_total, o.c.first_attempt_at, o.c.window_started_at)
+                .returning(
+                    operations.c.id,
+                    operations.c.attempts_total,
+                    operations.c.first_attempt_at,
+                    operations.c.window_started_at,
+                )
             ).all()
             started = [
                 StartedAttempt(
@@ -450,7 +427,7 @@ class Store:
             ]
             if started:
                 conn.execute(
-                    insert(a),
+                    insert(attempts),
                     [
                         {
                             "operation_pk": s.pk,
@@ -480,9 +457,9 @@ class Store:
         with self.write() as conn:
             held = dict(
                 conn.execute(
-                    select(o.c.id, o.c.lease_token)
-                    .where(o.c.id.in_([out.pk for out in outcomes]))
-                    .order_by(o.c.id)
+                    select(operations.c.id, operations.c.lease_token)
+                    .where(operations.c.id.in_([out.pk for out in outcomes]))
+                    .order_by(operations.c.id)
                     .with_for_update()
                 ).all()
             )
@@ -557,12 +534,12 @@ class Store:
                     "finished_at": now_ms,
                 }
                 if s.not_sent is not None:
-                    values["attempts_total"] = o.c.attempts_total + 1
+                    values["attempts_total"] = operations.c.attempts_total + 1
                 row = conn.execute(
-                    update(o)
-                    .where(o.c.id == s.pk, o.c.lease_token == s.lease_token)
+                    update(operations)
+                    .where(operations.c.id == s.pk, operations.c.lease_token == s.lease_token)
                     .values(values)
-                    .returning(o.c.attempts_total)
+                    .returning(operations.c.attempts_total)
                 ).first()
                 if row is None:
                     continue
@@ -570,7 +547,7 @@ class Store:
                 if s.not_sent is not None:
                     error_class, message, request_id, owner = s.not_sent
                     conn.execute(
-                        insert(a).values(
+                        insert(attempts).values(
                             operation_pk=s.pk,
                             number=row.attempts_total,
                             request_id=request_id,
@@ -609,12 +586,12 @@ class Store:
         if last_error is not None:
             extra = {
                 "last_error": last_error,
-                "window_started_at": func.coalesce(o.c.window_started_at, now_ms),
+                "window_started_at": func.coalesce(operations.c.window_started_at, now_ms),
             }
         with self.write() as conn:
             return conn.execute(
-                update(o)
-                .where(o.c.id.in_(list(pks)), o.c.lease_token == token)
+                update(operations)
+                .where(operations.c.id.in_(list(pks)), operations.c.lease_token == token)
                 .values(
                     state=State.PENDING.value,
                     **extra,
@@ -626,468 +603,5 @@ class Store:
                 )
             ).rowcount
 
-    # -- operators ----------------------------------------------------------------
 
-    def _select_operations(
-        self,
-        query: Any,
-        *,
-        states: Sequence[State],
-        tenant: str | None,
-        endpoint: str | None,
-        reason: Reason | None,
-        older_than_ms: int | None,
-        newer_than_ms: int | None,
-    ) -> Any:
-        query = query.where(o.c.state.in_([s.value for s in states]))
-        if tenant is not None:
-            query = query.where(o.c.tenant == tenant)
-        if endpoint is not None:
-            query = query.where(o.c.endpoint == endpoint)
-        if reason is not None:
-            query = query.where(o.c.reason == reason.value)
-        if older_than_ms is not None:
-            query = query.where(o.c.updated_at <= older_than_ms)
-        if newer_than_ms is not None:
-            query = query.where(o.c.updated_at >= newer_than_ms)
-        return query
-
-    def list_operations(
-        self,
-        *,
-        states: Sequence[State],
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | None = None,
-        older_than_ms: int | None = None,
-        newer_than_ms: int | None = None,
-        limit: int | None = 50,
-        offset: int = 0,
-    ) -> list[Operation]:
-        """Operations in ``states`` matching the filters, oldest change first (no
-        attempts). ``older_than_ms``/``newer_than_ms`` bound ``updated_at``;
-        ``limit=None`` returns every match."""
-        query = self._select_operations(
-            select(o),
-            states=states,
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=reason,
-            older_than_ms=older_than_ms,
-            newer_than_ms=newer_than_ms,
-        )
-        query = query.order_by(o.c.updated_at, o.c.id).limit(limit).offset(offset)
-        with self.read() as conn:
-            return [_operation(r, ()) for r in conn.execute(query)]
-
-    def count_operations(
-        self,
-        *,
-        states: Sequence[State],
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | None = None,
-        older_than_ms: int | None = None,
-        newer_than_ms: int | None = None,
-    ) -> int:
-        """How many operations :meth:`list_operations` would return without a limit."""
-        query = self._select_operations(
-            select(func.count()).select_from(o),
-            states=states,
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=reason,
-            older_than_ms=older_than_ms,
-            newer_than_ms=newer_than_ms,
-        )
-        with self.read() as conn:
-            return int(conn.execute(query).scalar_one())
-
-    def snapshot_policies(self, policies: dict[int, PolicySnapshot]) -> int:
-        """Fill the policy snapshot of operations that have none (rows older than
-        snapshots); a snapshot already there is never overwritten."""
-        if not policies:
-            return 0
-        with self.write() as conn:
-            return sum(
-                conn.execute(
-                    update(o)
-                    .where(o.c.id == pk, o.c.policy_window_ms.is_(None))
-                    .values(policy_columns(policy))
-                ).rowcount
-                for pk, policy in policies.items()
-            )
-
-    def transition_by_operator(
-        self,
-        *,
-        pk: int,
-        expected_version: int,
-        from_state: State,
-        values: dict[str, Any],
-        audit_row: dict[str, Any],
-    ) -> bool:
-        """Apply an operator's change if nobody changed the operation since it was read.
-
-        The audit row is written in the same transaction, or not at all.
-        """
-        values = {**values, "version": o.c.version + 1}
-        with self.write() as conn:
-            changed = conn.execute(
-                update(o)
-                .where(
-                    o.c.id == pk,
-                    o.c.version == expected_version,
-                    o.c.state == from_state.value,
-                )
-                .values(values)
-            ).rowcount
-            if changed != 1:
-                return False
-            conn.execute(insert(audit).values(audit_row))
-            if values.get("state") == State.PENDING.value:
-                self._signal_on(conn)
-        if values.get("state") == State.PENDING.value:
-            self.announce()
-        return True
-
-    def audit_trail(self, tenant: str, operation_id: str) -> list[AuditRecord]:
-        with self.read() as conn:
-            rows = conn.execute(
-                select(audit)
-                .where(audit.c.tenant == tenant, audit.c.operation_id == operation_id)
-                .order_by(audit.c.id)
-            ).all()
-        return [
-            AuditRecord(
-                tenant=r.tenant,
-                operation_id=r.operation_id,
-                actor=r.actor,
-                action=r.action,
-                from_state=r.from_state,
-                to_state=r.to_state,
-                note=r.note,
-                details=json.loads(r.details) if r.details else None,
-                at_ms=r.at,
-            )
-            for r in rows
-        ]
-
-    def purgeable_counts(self, *, finished_before_ms: int) -> dict[str, int]:
-        """What :meth:`purge` would delete now, per state."""
-        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
-        with self.read() as conn:
-            return {
-                r.state: r.n
-                for r in conn.execute(
-                    select(o.c.state, func.count().label("n"))
-                    .where(o.c.state.in_(terminal), o.c.finished_at < finished_before_ms)
-                    .group_by(o.c.state)
-                )
-            }
-
-    def database_bytes(self) -> int | None:
-        """The database's size on disk, where the store can tell (SQLite)."""
-        return None
-
-    def vacuum(self) -> None:
-        """Give the space of deleted rows back to the file system (SQLite)."""
-        raise StoreError(f"vacuum is for SQLite; {self.dialect} reclaims space itself")
-
-    def purge(
-        self,
-        *,
-        finished_before_ms: int,
-        batch_size: int = 500,
-        on_batch: Callable[[int], None] | None = None,
-    ) -> dict[str, int]:
-        """Delete terminal operations finished before the cutoff, with their attempts.
-
-        Unresolved, pending and in-flight operations are never touched. Works in
-        bounded batches so no transaction grows with the table; ``on_batch`` is told
-        how many each batch deleted.
-        """
-        removed: dict[str, int] = {}
-        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
-        while True:
-            with self.write() as conn:
-                batch = conn.execute(
-                    select(o.c.id, o.c.state)
-                    .where(o.c.state.in_(terminal), o.c.finished_at < finished_before_ms)
-                    .limit(batch_size)
-                ).all()
-                if not batch:
-                    return removed
-                ids = [r.id for r in batch]
-                conn.execute(delete(a).where(a.c.operation_pk.in_(ids)))
-                conn.execute(delete(o).where(o.c.id.in_(ids), o.c.state.in_(terminal)))
-            for r in batch:
-                removed[r.state] = removed.get(r.state, 0) + 1
-            if on_batch is not None:
-                on_batch(len(batch))
-
-    def record_audit(self, row: dict[str, Any]) -> None:
-        with self.write() as conn:
-            conn.execute(insert(audit).values(row))
-
-    def state_counts(self) -> dict[str, int]:
-        with self.read() as conn:
-            return {
-                r.state: r.n
-                for r in conn.execute(
-                    select(o.c.state, func.count().label("n")).group_by(o.c.state)
-                )
-            }
-
-    def reason_counts(self) -> dict[str, int]:
-        with self.read() as conn:
-            return {
-                r.reason: r.n
-                for r in conn.execute(
-                    select(o.c.reason, func.count().label("n"))
-                    .where(o.c.state == State.UNRESOLVED.value)
-                    .group_by(o.c.reason)
-                )
-            }
-
-    def oldest_pending_created_ms(self) -> int | None:
-        with self.read() as conn:
-            return conn.execute(
-                select(func.min(o.c.created_at)).where(o.c.state == State.PENDING.value)
-            ).scalar()
-
-    def attempts_since(self, since_ms: int) -> int:
-        with self.read() as conn:
-            return int(
-                conn.execute(
-                    select(func.count()).select_from(a).where(a.c.started_at >= since_ms)
-                ).scalar_one()
-            )
-
-    def keys_near_expiry_by_snapshot(self, expiring_before_ms: int) -> int:
-        """Live, attempted operations whose key (by their policy snapshot) expires
-        before the given time."""
-        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
-        with self.read() as conn:
-            return int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(o)
-                    .where(
-                        o.c.state.in_(live),
-                        o.c.first_attempt_at.is_not(None),
-                        o.c.policy_key_retention_ms.is_not(None),
-                        o.c.first_attempt_at + o.c.policy_key_retention_ms <= expiring_before_ms,
-                    )
-                ).scalar_one()
-            )
-
-    def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
-        """Like :meth:`keys_near_expiry_by_snapshot`, for rows without a snapshot."""
-        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
-        with self.read() as conn:
-            return int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(o)
-                    .where(
-                        o.c.endpoint == endpoint,
-                        o.c.policy_key_retention_ms.is_(None),
-                        o.c.state.in_(live),
-                        o.c.first_attempt_at.is_not(None),
-                        o.c.first_attempt_at <= first_attempt_before_ms,
-                    )
-                ).scalar_one()
-            )
-
-
-_OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}
-
-
-def _outcome_update(counted: bool, settled: bool, has_result: bool, in_progress: bool) -> Any:
-    """The prepared, fenced UPDATE of an operation for one kind of attempt outcome.
-
-    Built once per kind and executed with parameters: building a statement with literal
-    ``.values()`` per row costs SQLAlchemy more than the database spends running it.
-    """
-    key = (counted, settled, has_result, in_progress)
-    stmt = _OUTCOME_UPDATES.get(key)
-    if stmt is None:
-        values: dict[str, Any] = {
-            "state": bindparam("b_state"),
-            "reason": bindparam("b_reason"),
-            "next_attempt_at": bindparam("b_next"),
-            "lease_token": None,
-            "lease_owner": None,
-            "lease_until": None,
-            "maybe_delivered": bindparam("b_maybe"),
-            "saw_refusal": bindparam("b_refusal"),
-            "updated_at": bindparam("b_now"),
-        }
-        if not counted:
-            values["attempts_counted"] = o.c.attempts_counted - 1
-        if in_progress:
-            values["attempts_in_progress"] = o.c.attempts_in_progress + 1
-        if settled:
-            values["finished_at"] = bindparam("b_now")
-        if has_result:
-            values.update(
-                result_status=bindparam("b_rstatus"),
-                result_headers=bindparam("b_rheaders"),
-                result_body=bindparam("b_rbody"),
-                result_sha256=bindparam("b_rsha"),
-                result_size=bindparam("b_rsize"),
-                result_truncated=bindparam("b_rtrunc"),
-            )
-        stmt = (
-            update(o)
-            .where(o.c.id == bindparam("b_pk"), o.c.lease_token == bindparam("b_token"))
-            .values(values)
-        )
-        _OUTCOME_UPDATES[key] = stmt
-    return stmt
-
-
-_ATTEMPT_OUTCOME = (
-    update(a)
-    .where(a.c.request_id == bindparam("b_rid"), a.c.delivery.is_(None))
-    .values(
-        delivery=bindparam("b_delivery"),
-        verdict=bindparam("b_verdict"),
-        counted=bindparam("b_counted"),
-        status_code=bindparam("b_status"),
-        receiver_request_id=bindparam("b_rrid"),
-        error_class=bindparam("b_eclass"),
-        error_message=bindparam("b_emsg"),
-        duration_ms=bindparam("b_duration"),
-        finished_at=bindparam("b_now"),
-    )
-)
-
-
-def operation_row(
-    *,
-    tenant: str,
-    operation_id: str,
-    args: CanonicalArgs,
-    ordering_key: str | None,
-    now_ms: int,
-    traceparent: str | None = None,
-    policy: PolicySnapshot | None = None,
-) -> dict[str, Any]:
-    """The row of a new pending operation."""
-    return {
-        **policy_columns(policy),
-        "tenant": tenant,
-        "operation_id": operation_id,
-        "endpoint": args.endpoint,
-        "method": args.method,
-        "path": args.path,
-        "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
-        "body": args.body_json,
-        "args_sha256": args.args_sha256,
-        "ordering_key": ordering_key,
-        "state": State.PENDING.value,
-        "attempts_counted": 0,
-        "attempts_total": 0,
-        "maybe_delivered": False,
-        "saw_refusal": False,
-        "next_attempt_at": now_ms,
-        "version": 0,
-        "created_at": now_ms,
-        "updated_at": now_ms,
-        "traceparent": traceparent,
-    }
-
-
-def policy_columns(policy: PolicySnapshot | None) -> dict[str, int | None]:
-    """The ``policy_*`` columns of a snapshot (all NULL: unknown)."""
-    return {
-        "policy_window_ms": policy.window_ms if policy else None,
-        "policy_key_retention_ms": policy.key_retention_ms if policy else None,
-        "policy_margin_ms": policy.margin_ms if policy else None,
-        "policy_max_attempts": policy.max_attempts if policy else None,
-        "policy_in_progress_budget": policy.in_progress_budget if policy else None,
-    }
-
-
-def _policy(r: Row[Any]) -> PolicySnapshot | None:
-    if (
-        r.policy_window_ms is None
-        or r.policy_key_retention_ms is None
-        or r.policy_margin_ms is None
-        or r.policy_max_attempts is None
-    ):
-        return None
-    return PolicySnapshot(
-        window_ms=r.policy_window_ms,
-        key_retention_ms=r.policy_key_retention_ms,
-        margin_ms=r.policy_margin_ms,
-        max_attempts=r.policy_max_attempts,
-        in_progress_budget=r.policy_in_progress_budget
-        if r.policy_in_progress_budget is not None
-        else 0,
-    )
-
-
-
-def _attempt(r: Row[Any]) -> Attempt:
-    return Attempt(
-        number=r.number,
-        request_id=r.request_id,
-        dispatcher_id=r.dispatcher_id,
-        started_at_ms=r.started_at,
-        lease_until_ms=r.lease_until,
-        finished_at_ms=r.finished_at,
-        delivery=Delivery(r.delivery) if r.delivery else None,
-        verdict=Verdict(r.verdict) if r.verdict else None,
-        status_code=r.status_code,
-        receiver_request_id=r.receiver_request_id,
-        error_class=r.error_class,
-        error_message=r.error_message,
-        duration_ms=r.duration_ms,
-        counted=bool(r.counted),
-    )
-
-
-def _operation(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
-    result = None
-    if r.result_status is not None:
-        body: Any = json.loads(r.result_body) if r.result_body is not None else None
-        result = Result(
-            status_code=r.result_status,
-            headers=json.loads(r.result_headers or "{}"),
-            body=body,
-            body_sha256=r.result_sha256,
-            body_size=r.result_size or 0,
-            truncated=bool(r.result_truncated),
-        )
-    return Operation(
-        pk=r.id,
-        tenant=r.tenant,
-        operation_id=r.operation_id,
-        endpoint=r.endpoint,
-        method=r.method,
-        path=r.path,
-        headers=json.loads(r.headers),
-        body=json.loads(r.body) if r.body is not None else None,
-        state=State(r.state),
-        reason=Reason(r.reason) if r.reason else None,
-        ordering_key=r.ordering_key,
-        attempts_counted=r.attempts_counted,
-        attempts_total=r.attempts_total,
-        created_at_ms=r.created_at,
-        updated_at_ms=r.updated_at,
-        next_attempt_at_ms=r.next_attempt_at,
-        first_attempt_at_ms=r.first_attempt_at,
-        window_started_at_ms=r.window_started_at,
-        version=r.version,
-        result=result,
-        attempts=history,
-        attempts_in_progress=r.attempts_in_progress or 0,
-        last_error=r.last_error,
-        policy=_policy(r),
-    )
-
-
-__all__ = ["DUE", "AuditRecord", "InsertResult", "Store", "operation_row", "policy_columns"]
+__all__ = ["Store"]

@@ -11,7 +11,8 @@ from typing import Any
 from sqlalchemy import func, select
 
 from outbox.model import Operation, Reason, State
-from outbox.store.base import AuditRecord, Store, _operation
+from outbox.store.base import Store
+from outbox.store.rows import AuditRecord, operation_from_row
 from outbox.store.tables import audit, operations
 
 
@@ -68,7 +69,7 @@ def operations_page(
         rows = conn.execute(
             _where(select(operations), q).order_by(*order).limit(limit).offset(offset)
         )
-        return [_operation(r, ()) for r in rows], total
+        return [operation_from_row(r, ()) for r in rows], total
 
 
 def audit_page(

@@ -17,14 +17,16 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
 from outbox.store.commit import TxStatus
-from outbox.store.tables import operations as o
+from outbox.store.tables import operations
 
 
 class PostgresStore(Store):
     dialect = "postgresql"
 
     def _insert_ignoring_duplicate(self) -> Any:
-        return pg_insert(o).on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
+        return pg_insert(operations).on_conflict_do_nothing(
+            index_elements=["tenant", "operation_id"]
+        )
 
     def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts
@@ -32,14 +34,14 @@ class PostgresStore(Store):
         # on every other claim).
         due = (
             self._due_ids(now_ms, limit)
-            .add_columns(o.c.state.label("was"))
-            .with_for_update(skip_locked=True, of=o)
+            .add_columns(operations.c.state.label("was"))
+            .with_for_update(skip_locked=True, of=operations)
             .cte("due")
             .prefix_with("MATERIALIZED")
         )
         return (
-            update(o)
-            .where(o.c.id == due.c.id)
+            update(operations)
+            .where(operations.c.id == due.c.id)
             .values(values)
             .returning(*self._CLAIMED_COLUMNS, due.c.was)
         )
@@ -54,7 +56,7 @@ class PostgresStore(Store):
     # -- change signals -----------------------------------------------------------
 
     def _insert_wakes(self) -> tuple[Any, ...]:
-        return (notify_column(o.c.endpoint),)
+        return (notify_column(operations.c.endpoint),)
 
     def _signal_on(self, conn: Connection) -> None:
         conn.execute(select(notify_column(literal(""))))

@@ -105,3 +105,10 @@ class Settlement:
     #: (error class, message, request ID, dispatcher ID) of a not-sent attempt to record
     #: as the evidence of why it never left, if any.
     not_sent: tuple[str, str, str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    pk: int
+    created: bool
+    args_sha256: str

@@ -59,7 +59,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policy", ("outbox.policy",)),
     (
         "store: tables and rows",
-        ("outbox.store.tables", "outbox.store.records", "outbox.store.changes"),
+        (
+            "outbox.store.tables",
+            "outbox.store.records",
+            "outbox.store.rows",
+            "outbox.store.statements",
+            "outbox.store.changes",
+        ),
     ),
     (
         "store: engines and schema",
@@ -71,6 +77,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("store: commits", ("outbox.store.commit",)),
+    ("store: operator queries", ("outbox.store.operator",)),
     ("store: queries", ("outbox.store.base",)),
     (
         "store: dialects and reads",

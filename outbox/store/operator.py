@@ -1,0 +1,340 @@
+"""The store's queries for operators and monitoring: listing, counting, audited
+transitions, the audit trail, purging and the figures ``outbox status`` shows.
+
+A base of :class:`~outbox.store.base.Store`, which supplies the transactions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+
+from outbox.errors import StoreError
+from outbox.model import (
+    Operation,
+    PolicySnapshot,
+    Reason,
+    State,
+)
+from outbox.store.rows import AuditRecord, operation_from_row, policy_columns
+from outbox.store.tables import attempts, audit, operations
+
+
+class OperatorQueries:
+    """Operator and monitoring queries; :class:`~outbox.store.base.Store` mixes them in."""
+
+    engine: Engine
+    dialect: str
+
+    def read(self) -> AbstractContextManager[Connection]:
+        raise NotImplementedError
+
+    def write(self) -> AbstractContextManager[Connection]:
+        raise NotImplementedError
+
+    def _signal_on(self, conn: Connection) -> None:
+        raise NotImplementedError
+
+    def announce(self) -> None:
+        raise NotImplementedError
+
+    # -- operators ----------------------------------------------------------------
+
+    def _select_operations(
+        self,
+        query: Any,
+        *,
+        states: Sequence[State],
+        tenant: str | None,
+        endpoint: str | None,
+        reason: Reason | None,
+        older_than_ms: int | None,
+        newer_than_ms: int | None,
+    ) -> Any:
+        query = query.where(operations.c.state.in_([s.value for s in states]))
+        if tenant is not None:
+            query = query.where(operations.c.tenant == tenant)
+        if endpoint is not None:
+            query = query.where(operations.c.endpoint == endpoint)
+        if reason is not None:
+            query = query.where(operations.c.reason == reason.value)
+        if older_than_ms is not None:
+            query = query.where(operations.c.updated_at <= older_than_ms)
+        if newer_than_ms is not None:
+            query = query.where(operations.c.updated_at >= newer_than_ms)
+        return query
+
+    def list_operations(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | None = None,
+        older_than_ms: int | None = None,
+        newer_than_ms: int | None = None,
+        limit: int | None = 50,
+        offset: int = 0,
+    ) -> list[Operation]:
+        """Operations in ``states`` matching the filters, oldest change first (no
+        attempts). ``older_than_ms``/``newer_than_ms`` bound ``updated_at``;
+        ``limit=None`` returns every match."""
+        query = self._select_operations(
+            select(operations),
+            states=states,
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=reason,
+            older_than_ms=older_than_ms,
+            newer_than_ms=newer_than_ms,
+        )
+        query = query.order_by(operations.c.updated_at, operations.c.id).limit(limit).offset(offset)
+        with self.read() as conn:
+            return [operation_from_row(r, ()) for r in conn.execute(query)]
+
+    def count_operations(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | None = None,
+        older_than_ms: int | None = None,
+        newer_than_ms: int | None = None,
+    ) -> int:
+        """How many operations :meth:`list_operations` would return without a limit."""
+        query = self._select_operations(
+            select(func.count()).select_from(operations),
+            states=states,
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=reason,
+            older_than_ms=older_than_ms,
+            newer_than_ms=newer_than_ms,
+        )
+        with self.read() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def snapshot_policies(self, policies: dict[int, PolicySnapshot]) -> int:
+        """Fill the policy snapshot of operations that have none (rows older than
+        snapshots); a snapshot already there is never overwritten."""
+        if not policies:
+            return 0
+        with self.write() as conn:
+            return sum(
+                conn.execute(
+                    update(operations)
+                    .where(operations.c.id == pk, operations.c.policy_window_ms.is_(None))
+                    .values(policy_columns(policy))
+                ).rowcount
+                for pk, policy in policies.items()
+            )
+
+    def transition_by_operator(
+        self,
+        *,
+        pk: int,
+        expected_version: int,
+        from_state: State,
+        values: dict[str, Any],
+        audit_row: dict[str, Any],
+    ) -> bool:
+        """Apply an operator's change if nobody changed the operation since it was read.
+
+        The audit row is written in the same transaction, or not at all.
+        """
+        values = {**values, "version": operations.c.version + 1}
+        with self.write() as conn:
+            changed = conn.execute(
+                update(operations)
+                .where(
+                    operations.c.id == pk,
+                    operations.c.version == expected_version,
+                    operations.c.state == from_state.value,
+                )
+                .values(values)
+            ).rowcount
+            if changed != 1:
+                return False
+            conn.execute(insert(audit).values(audit_row))
+            if values.get("state") == State.PENDING.value:
+                self._signal_on(conn)
+        if values.get("state") == State.PENDING.value:
+            self.announce()
+        return True
+
+    def audit_trail(self, tenant: str, operation_id: str) -> list[AuditRecord]:
+        with self.read() as conn:
+            rows = conn.execute(
+                select(audit)
+                .where(audit.c.tenant == tenant, audit.c.operation_id == operation_id)
+                .order_by(audit.c.id)
+            ).all()
+        return [
+            AuditRecord(
+                tenant=r.tenant,
+                operation_id=r.operation_id,
+                actor=r.actor,
+                action=r.action,
+                from_state=r.from_state,
+                to_state=r.to_state,
+                note=r.note,
+                details=json.loads(r.details) if r.details else None,
+                at_ms=r.at,
+            )
+            for r in rows
+        ]
+
+    def purgeable_counts(self, *, finished_before_ms: int) -> dict[str, int]:
+        """What :meth:`purge` would delete now, per state."""
+        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
+        with self.read() as conn:
+            return {
+                r.state: r.n
+                for r in conn.execute(
+                    select(operations.c.state, func.count().label("n"))
+                    .where(
+                        operations.c.state.in_(terminal),
+                        operations.c.finished_at < finished_before_ms,
+                    )
+                    .group_by(operations.c.state)
+                )
+            }
+
+    def database_bytes(self) -> int | None:
+        """The database's size on disk, where the store can tell (SQLite)."""
+        return None
+
+    def vacuum(self) -> None:
+        """Give the space of deleted rows back to the file system (SQLite)."""
+        raise StoreError(f"vacuum is for SQLite; {self.dialect} reclaims space itself")
+
+    def purge(
+        self,
+        *,
+        finished_before_ms: int,
+        batch_size: int = 500,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> dict[str, int]:
+        """Delete terminal operations finished before the cutoff, with their attempts.
+
+        Unresolved, pending and in-flight operations are never touched. Works in
+        bounded batches so no transaction grows with the table; ``on_batch`` is told
+        how many each batch deleted.
+        """
+        removed: dict[str, int] = {}
+        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
+        while True:
+            with self.write() as conn:
+                batch = conn.execute(
+                    select(operations.c.id, operations.c.state)
+                    .where(
+                        operations.c.state.in_(terminal),
+                        operations.c.finished_at < finished_before_ms,
+                    )
+                    .limit(batch_size)
+                ).all()
+                if not batch:
+                    return removed
+                ids = [r.id for r in batch]
+                conn.execute(delete(attempts).where(attempts.c.operation_pk.in_(ids)))
+                conn.execute(
+                    delete(operations).where(
+                        operations.c.id.in_(ids), operations.c.state.in_(terminal)
+                    )
+                )
+            for r in batch:
+                removed[r.state] = removed.get(r.state, 0) + 1
+            if on_batch is not None:
+                on_batch(len(batch))
+
+    def record_audit(self, row: dict[str, Any]) -> None:
+        with self.write() as conn:
+            conn.execute(insert(audit).values(row))
+
+    def state_counts(self) -> dict[str, int]:
+        with self.read() as conn:
+            return {
+                r.state: r.n
+                for r in conn.execute(
+                    select(operations.c.state, func.count().label("n")).group_by(operations.c.state)
+                )
+            }
+
+    def reason_counts(self) -> dict[str, int]:
+        with self.read() as conn:
+            return {
+                r.reason: r.n
+                for r in conn.execute(
+                    select(operations.c.reason, func.count().label("n"))
+                    .where(operations.c.state == State.UNRESOLVED.value)
+                    .group_by(operations.c.reason)
+                )
+            }
+
+    def oldest_pending_created_ms(self) -> int | None:
+        with self.read() as conn:
+            return conn.execute(
+                select(func.min(operations.c.created_at)).where(
+                    operations.c.state == State.PENDING.value
+                )
+            ).scalar()
+
+    def attempts_since(self, since_ms: int) -> int:
+        with self.read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(attempts)
+                    .where(attempts.c.started_at >= since_ms)
+                ).scalar_one()
+            )
+
+    def keys_near_expiry_by_snapshot(self, expiring_before_ms: int) -> int:
+        """Live, attempted operations whose key (by their policy snapshot) expires
+        before the given time."""
+        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        with self.read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(operations)
+                    .where(
+                        operations.c.state.in_(live),
+                        operations.c.first_attempt_at.is_not(None),
+                        operations.c.policy_key_retention_ms.is_not(None),
+                        operations.c.first_attempt_at + operations.c.policy_key_retention_ms
+                        <= expiring_before_ms,
+                    )
+                ).scalar_one()
+            )
+
+    def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
+        """Like :meth:`keys_near_expiry_by_snapshot`, for rows without a snapshot."""
+        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        with self.read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(operations)
+                    .where(
+                        operations.c.endpoint == endpoint,
+                        operations.c.policy_key_retention_ms.is_(None),
+                        operations.c.state.in_(live),
+                        operations.c.first_attempt_at.is_not(None),
+                        operations.c.first_attempt_at <= first_attempt_before_ms,
+                    )
+                ).scalar_one()
+            )

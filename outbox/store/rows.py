@@ -1,0 +1,160 @@
+"""Rows to objects and back: the one mapping between the tables and the model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Row,
+)
+
+from outbox.canonical import CanonicalArgs
+from outbox.model import (
+    Attempt,
+    Delivery,
+    Operation,
+    PolicySnapshot,
+    Reason,
+    Result,
+    State,
+    Verdict,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    tenant: str
+    operation_id: str
+    actor: str
+    action: str
+    from_state: str | None
+    to_state: str | None
+    note: str
+    details: dict[str, Any] | None
+    at_ms: int
+
+
+def operation_row(
+    *,
+    tenant: str,
+    operation_id: str,
+    args: CanonicalArgs,
+    ordering_key: str | None,
+    now_ms: int,
+    traceparent: str | None = None,
+    policy: PolicySnapshot | None = None,
+) -> dict[str, Any]:
+    """The row of a new pending operation."""
+    return {
+        **policy_columns(policy),
+        "tenant": tenant,
+        "operation_id": operation_id,
+        "endpoint": args.endpoint,
+        "method": args.method,
+        "path": args.path,
+        "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
+        "body": args.body_json,
+        "args_sha256": args.args_sha256,
+        "ordering_key": ordering_key,
+        "state": State.PENDING.value,
+        "attempts_counted": 0,
+        "attempts_total": 0,
+        "maybe_delivered": False,
+        "saw_refusal": False,
+        "next_attempt_at": now_ms,
+        "version": 0,
+        "created_at": now_ms,
+        "updated_at": now_ms,
+        "traceparent": traceparent,
+    }
+
+
+def policy_columns(policy: PolicySnapshot | None) -> dict[str, int | None]:
+    """The ``policy_*`` columns of a snapshot (all NULL: unknown)."""
+    return {
+        "policy_window_ms": policy.window_ms if policy else None,
+        "policy_key_retention_ms": policy.key_retention_ms if policy else None,
+        "policy_margin_ms": policy.margin_ms if policy else None,
+        "policy_max_attempts": policy.max_attempts if policy else None,
+        "policy_in_progress_budget": policy.in_progress_budget if policy else None,
+    }
+
+
+def policy_from_row(r: Row[Any]) -> PolicySnapshot | None:
+    if (
+        r.policy_window_ms is None
+        or r.policy_key_retention_ms is None
+        or r.policy_margin_ms is None
+        or r.policy_max_attempts is None
+    ):
+        return None
+    return PolicySnapshot(
+        window_ms=r.policy_window_ms,
+        key_retention_ms=r.policy_key_retention_ms,
+        margin_ms=r.policy_margin_ms,
+        max_attempts=r.policy_max_attempts,
+        in_progress_budget=r.policy_in_progress_budget
+        if r.policy_in_progress_budget is not None
+        else 0,
+    )
+
+
+def attempt_from_row(r: Row[Any]) -> Attempt:
+    return Attempt(
+        number=r.number,
+        request_id=r.request_id,
+        dispatcher_id=r.dispatcher_id,
+        started_at_ms=r.started_at,
+        lease_until_ms=r.lease_until,
+        finished_at_ms=r.finished_at,
+        delivery=Delivery(r.delivery) if r.delivery else None,
+        verdict=Verdict(r.verdict) if r.verdict else None,
+        status_code=r.status_code,
+        receiver_request_id=r.receiver_request_id,
+        error_class=r.error_class,
+        error_message=r.error_message,
+        duration_ms=r.duration_ms,
+        counted=bool(r.counted),
+    )
+
+
+def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
+    result = None
+    if r.result_status is not None:
+        body: Any = json.loads(r.result_body) if r.result_body is not None else None
+        result = Result(
+            status_code=r.result_status,
+            headers=json.loads(r.result_headers or "{}"),
+            body=body,
+            body_sha256=r.result_sha256,
+            body_size=r.result_size or 0,
+            truncated=bool(r.result_truncated),
+        )
+    return Operation(
+        pk=r.id,
+        tenant=r.tenant,
+        operation_id=r.operation_id,
+        endpoint=r.endpoint,
+        method=r.method,
+        path=r.path,
+        headers=json.loads(r.headers),
+        body=json.loads(r.body) if r.body is not None else None,
+        state=State(r.state),
+        reason=Reason(r.reason) if r.reason else None,
+        ordering_key=r.ordering_key,
+        attempts_counted=r.attempts_counted,
+        attempts_total=r.attempts_total,
+        created_at_ms=r.created_at,
+        updated_at_ms=r.updated_at,
+        next_attempt_at_ms=r.next_attempt_at,
+        first_attempt_at_ms=r.first_attempt_at,
+        window_started_at_ms=r.window_started_at,
+        version=r.version,
+        result=result,
+        attempts=history,
+        attempts_in_progress=r.attempts_in_progress or 0,
+        last_error=r.last_error,
+        policy=policy_from_row(r),
+    )

@@ -1,0 +1,93 @@
+"""Statements the dispatcher runs per batch, built once, and what "due" means."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    bindparam,
+    literal_column,
+    update,
+)
+from sqlalchemy.sql.elements import ColumnElement
+
+from outbox.model import (
+    State,
+)
+from outbox.store.tables import attempts, operations
+
+
+def _states(*states: State) -> list[Any]:
+    # Literal values, not bound parameters: SQLite uses a partial index only when it can
+    # see that the query's WHERE implies the index's.
+    return [literal_column(f"'{s.value}'") for s in states]
+
+
+DUE: ColumnElement[bool] = operations.c.state.in_(_states(State.PENDING, State.IN_FLIGHT))
+
+
+_OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}
+
+
+def _outcome_update(counted: bool, settled: bool, has_result: bool, in_progress: bool) -> Any:
+    """The prepared, fenced UPDATE of an operation for one kind of attempt outcome.
+
+    Built once per kind and executed with parameters: building a statement with literal
+    ``.values()`` per row costs SQLAlchemy more than the database spends running it.
+    """
+    key = (counted, settled, has_result, in_progress)
+    stmt = _OUTCOME_UPDATES.get(key)
+    if stmt is None:
+        values: dict[str, Any] = {
+            "state": bindparam("b_state"),
+            "reason": bindparam("b_reason"),
+            "next_attempt_at": bindparam("b_next"),
+            "lease_token": None,
+            "lease_owner": None,
+            "lease_until": None,
+            "maybe_delivered": bindparam("b_maybe"),
+            "saw_refusal": bindparam("b_refusal"),
+            "updated_at": bindparam("b_now"),
+        }
+        if not counted:
+            values["attempts_counted"] = operations.c.attempts_counted - 1
+        if in_progress:
+            values["attempts_in_progress"] = operations.c.attempts_in_progress + 1
+        if settled:
+            values["finished_at"] = bindparam("b_now")
+        if has_result:
+            values.update(
+                result_status=bindparam("b_rstatus"),
+                result_headers=bindparam("b_rheaders"),
+                result_body=bindparam("b_rbody"),
+                result_sha256=bindparam("b_rsha"),
+                result_size=bindparam("b_rsize"),
+                result_truncated=bindparam("b_rtrunc"),
+            )
+        stmt = (
+            update(operations)
+            .where(
+                operations.c.id == bindparam("b_pk"),
+                operations.c.lease_token == bindparam("b_token"),
+            )
+            .values(values)
+        )
+        _OUTCOME_UPDATES[key] = stmt
+    return stmt
+
+
+_ATTEMPT_OUTCOME = (
+    update(attempts)
+    .where(attempts.c.request_id == bindparam("b_rid"), attempts.c.delivery.is_(None))
+    .values(
+        delivery=bindparam("b_delivery"),
+        verdict=bindparam("b_verdict"),
+        counted=bindparam("b_counted"),
+        status_code=bindparam("b_status"),
+        receiver_request_id=bindparam("b_rrid"),
+        error_class=bindparam("b_eclass"),
+        error_message=bindparam("b_emsg"),
+        duration_ms=bindparam("b_duration"),
+        finished_at=bindparam("b_now"),
+    )
+)
