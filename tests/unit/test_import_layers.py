@@ -123,6 +123,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     (
+        "commands",
+        (
+            "outbox.cli.root",
+            "outbox.cli.reading",
+            "outbox.cli.dispatching",
+            "outbox.cli.operator",
+            "outbox.cli.tools",
+        ),
+    ),
+    (
         "entry points",
         ("outbox.cli", "outbox.contrib.django.migrations", "outbox.contrib.django.management"),
     ),

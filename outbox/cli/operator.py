@@ -1,0 +1,505 @@
+"""The operator's actions: ``outbox reconcile ...``, ``cancel`` and ``purge``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+
+from outbox.cli_support import (
+    DURATION,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    Context,
+    command,
+    fail,
+)
+from outbox.model import Reason
+
+if TYPE_CHECKING:
+    from outbox.bulk import BulkReport, Selection
+from outbox.cli.reading import _show
+from outbox.cli.root import _emit_json, _filter_words, _reconciler, err, json_option, main, out
+
+# -- operator actions -----------------------------------------------------------------------
+
+
+@main.group()
+def reconcile() -> None:
+    """The reconciliation queue: operations whose outcome is not proven."""
+
+
+def filter_options(fn: Any) -> Any:
+    """The selection of a bulk action (with --all) or a listing."""
+    for option in reversed(
+        (
+            click.option("--endpoint", default=None, help="Only this endpoint's operations."),
+            click.option(
+                "--reason",
+                type=click.Choice([r.value for r in Reason]),
+                default=None,
+                help="Only unresolved operations with this reason.",
+            ),
+            click.option(
+                "--older-than",
+                type=DURATION,
+                default=None,
+                help="Only those last changed longer ago than this (e.g. 2h, 1h30m).",
+            ),
+            click.option(
+                "--newer-than",
+                type=DURATION,
+                default=None,
+                help="Only those last changed more recently than this.",
+            ),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+@command(reconcile, "list", reads=True)
+@click.option("--tenant", default=None, help="Only this tenant's operations.")
+@filter_options
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@json_option
+def reconcile_list(
+    obj: Context,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    limit: int,
+    offset: int,
+    as_json: bool,
+) -> None:
+    """Unresolved operations, oldest first, and how many match in all."""
+    from outbox.reconcile import operation_dict
+
+    rec = _reconciler(obj)
+    filters: dict[str, Any] = {
+        "tenant": tenant,
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    ops = rec.list(**filters, limit=limit, offset=offset)
+    total = rec.count(**filters)
+    if as_json:
+        operations = [operation_dict(op) for op in ops]
+        _emit_json({"total": total, "limit": limit, "offset": offset, "operations": operations})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"unresolved operations ({len(ops)} shown of {total} matching)")
+    for column in ("operation id", "tenant", "endpoint", "reason", "attempts", "since"):
+        table.add_column(column)
+    for op in ops:
+        table.add_row(
+            op.operation_id,
+            op.tenant,
+            op.endpoint,
+            op.reason.value if op.reason else "",
+            str(op.attempts_total),
+            operation_dict(op)["updated_at"],
+        )
+    out.print(table)
+    if offset + len(ops) < total:
+        more = [*_filter_words(**filters), "--limit", str(limit)]
+        more += ["--offset", str(offset + len(ops))]
+        out.print(f"more: {obj.command_hint('reconcile', 'list', *more)}", markup=False)
+    if ops:
+        first = ops[0]
+        tenant_words = ["--tenant", first.tenant] if first.tenant else []
+        show_first = obj.command_hint("reconcile", "show", first.operation_id, *tenant_words)
+        out.print(f"next: {show_first}, then resolve or requeue it", markup=False)
+
+
+@command(reconcile, "show", reads=True)
+@click.argument("operation_id")
+@click.option("--tenant", default="", help="The tenant (namespace) of the operation ID.")
+@json_option
+def reconcile_show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
+    """The evidence: every attempt, its request ID and what was observed."""
+    _show(obj, operation_id, tenant, as_json)
+
+
+def bulk_options(fn: Any) -> Any:
+    """One operation ID, or --all with filters; --dry-run and --yes."""
+    for option in reversed(
+        (
+            click.argument("operation_id", required=False),
+            click.option("--all", "every", is_flag=True, help="Act on every match of the filters."),
+            click.option(
+                "--tenant",
+                default=None,
+                help="The operation's tenant (default ''); with --all, a filter.",
+            ),
+            filter_options,
+            click.option(
+                "--dry-run", is_flag=True, help="With --all: say what would change; change nothing."
+            ),
+            click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation."),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _selection(
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    filters: dict[str, Any],
+    flags: dict[str, bool],
+) -> Selection | None:
+    """The bulk selection with --all; None for one operation (refusing bulk-only flags)."""
+    if every == (operation_id is not None):
+        raise click.UsageError("name one operation, or pass --all (with filters)")
+    if not every:
+        given = [f"--{k.replace('_', '-')}" for k, v in {**filters, **flags}.items() if v]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} go with --all, not with one operation")
+        return None
+    from outbox.bulk import Selection
+
+    return Selection(tenant=tenant, **filters)
+
+
+def _run_bulk(
+    obj: Context,
+    action: str,
+    selection: Selection,
+    *,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Dry run (always first), confirmation on a terminal, then the run with a progress
+    bar, and the summary. Exit 1 if anything was refused or changed by someone else."""
+    from outbox.bulk import bulk, select
+
+    rec = _reconciler(obj)
+    ops = select(rec, action, selection)
+    plan = bulk(rec, action, selection, dry_run=True, selected=ops, **kwargs)
+    if dry_run:
+        _bulk_summary(plan, as_json)
+        return
+    would = plan.counts["changed"]
+    if would and not yes:
+        if not sys.stdin.isatty():
+            fail(
+                EXIT_USAGE,
+                f"{action} --all would change {would} operations; without a terminal to "
+                "confirm on, pass --yes (or look first with --dry-run)",
+            )
+        _bulk_summary(plan, False, to=err)
+        click.confirm(f"{action} {would} operations?", abort=True, err=True)
+    with _progress_bar(f"{action}", len(ops)) as advance:
+        report = bulk(rec, action, selection, selected=ops, on_progress=advance, **kwargs)
+    _bulk_summary(report, as_json)
+    if not report.exit_ok:
+        sys.exit(EXIT_REFUSED)
+
+
+@contextmanager
+def _progress_bar(label: str, total: int) -> Iterator[Any]:
+    """A rich progress bar on a terminal (stderr); nothing when piped."""
+    if not err.is_terminal or total == 0:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task(label, total=total)
+        yield lambda done, _total: progress.update(task, completed=done)
+
+
+def _bulk_summary(report: BulkReport, as_json: bool, *, to: Console | None = None) -> None:
+    if as_json:
+        _emit_json(report.as_dict())
+        return
+    console = to or out
+    counts = report.counts
+    verb = "would change" if report.dry_run else "changed"
+    head = "dry run: " if report.dry_run else ""
+    console.print(
+        f"{head}{report.action}: {len(report.items)} matched, {verb} {counts['changed']}, "
+        f"refused {counts['refused']}, changed by someone else "
+        f"{counts['changed_by_someone_else']}",
+        markup=False,
+    )
+    for why, n in report.refusals.items():
+        console.print(f"  refused {n}: {why}", markup=False)
+    for item in report.items:
+        tenant = f" (tenant {item.tenant!r})" if item.tenant else ""
+        if item.outcome.value == "changed":
+            line = f"{'would change' if report.dry_run else 'changed'} -> {item.detail}"
+        else:
+            line = f"{item.outcome.value.replace('_', ' ')}: {item.detail}"
+        console.print(f"  {item.operation_id}{tenant}: {line}", markup=False)
+
+
+def _one_done(op: Any, as_json: bool, message: str) -> None:
+    from outbox.reconcile import operation_dict
+
+    if as_json:
+        _emit_json(operation_dict(op))
+    else:
+        out.print(message, markup=False)
+
+
+@command(reconcile, "resolve")
+@bulk_options
+@click.option("--as", "outcome", type=click.Choice(["succeeded", "failed"]), required=True)
+@click.option("--note", required=True, help="What you checked, for the audit trail.")
+@click.option("--operator", default=None, help="Your name (default: the OS user).")
+@json_option
+def reconcile_resolve(
+    obj: Context,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
+    outcome: str,
+    note: str,
+    operator: str | None,
+    as_json: bool,
+) -> None:
+    """Settle an unresolved operation (or, with --all, every match) as succeeded or failed."""
+    filters = {
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    if selection is not None:
+        _run_bulk(obj, "resolve", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+                  outcome=outcome, note=note, operator=operator)  # fmt: skip
+        return
+    assert operation_id is not None
+    op = _reconciler(obj).resolve(
+        operation_id, tenant=tenant or "", outcome=outcome, note=note, operator=operator
+    )
+    _one_done(op, as_json, f"resolved {operation_id} as {op.state.value}")
+
+
+@command(reconcile, "requeue")
+@bulk_options
+@click.option("--note", required=True, help="What you checked, for the audit trail.")
+@click.option("--operator", default=None, help="Your name (default: the OS user).")
+@click.option(
+    "--accept-duplicate-risk",
+    is_flag=True,
+    help=(
+        "Requeue even though the receiver may have forgotten the key: restarts the key's "
+        "life (new window and key retention from the next attempt); if an earlier attempt "
+        "was applied, the resend may cause a second effect."
+    ),
+)
+@json_option
+def reconcile_requeue(
+    obj: Context,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
+    note: str,
+    operator: str | None,
+    accept_duplicate_risk: bool,
+    as_json: bool,
+) -> None:
+    """Send again under the same operation ID, with a new retry window.
+
+    Decided from the database alone (the policy stored with each operation): no --app
+    needed; the dispatcher that sends it needs the application.
+    """
+    filters = {
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    if selection is not None:
+        _run_bulk(obj, "requeue", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+                  note=note, operator=operator,
+                  accept_duplicate_risk=accept_duplicate_risk)  # fmt: skip
+        return
+    assert operation_id is not None
+    op = _reconciler(obj).requeue(
+        operation_id,
+        tenant=tenant or "",
+        note=note,
+        operator=operator,
+        accept_duplicate_risk=accept_duplicate_risk,
+    )
+    _one_done(op, as_json, f"requeued {operation_id}: pending, same operation ID")
+
+
+@command(main)
+@click.argument("operation_id", required=False)
+@click.option("--all", "every", is_flag=True, help="Cancel every pending match of the filters.")
+@click.option(
+    "--tenant", default=None, help="The operation's tenant (default ''); with --all, a filter."
+)
+@click.option("--endpoint", default=None, help="With --all: only this endpoint's operations.")
+@click.option("--older-than", type=DURATION, default=None, help="With --all: last changed before.")
+@click.option("--newer-than", type=DURATION, default=None, help="With --all: last changed since.")
+@click.option("--dry-run", is_flag=True, help="With --all: say what would change; change nothing.")
+@click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation.")
+@click.option("--note", required=True, help="Why, for the audit trail.")
+@click.option("--operator", default=None)
+@json_option
+def cancel(
+    obj: Context,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
+    note: str,
+    operator: str | None,
+    as_json: bool,
+) -> None:
+    """Cancel a pending operation that was never sent (or, with --all, every match)."""
+    filters = {"endpoint": endpoint, "older_than": older_than, "newer_than": newer_than}
+    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    if selection is not None:
+        _run_bulk(obj, "cancel", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+                  note=note, operator=operator)  # fmt: skip
+        return
+    assert operation_id is not None
+    op = _reconciler(obj).cancel(operation_id, tenant=tenant or "", note=note, operator=operator)
+    _one_done(op, as_json, f"cancelled {operation_id}")
+
+
+@command(main)
+@click.option(
+    "--older-than", type=DURATION, required=True, help="e.g. 30d: finished longer ago than this."
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--vacuum",
+    is_flag=True,
+    help="SQLite: afterwards give the freed space back to the file system (VACUUM).",
+)
+@click.option("--operator", default=None)
+@json_option
+def purge(
+    obj: Context,
+    older_than: timedelta,
+    dry_run: bool,
+    vacuum: bool,
+    operator: str | None,
+    as_json: bool,
+) -> None:
+    """Delete old succeeded, failed and cancelled operations; never unresolved ones."""
+    rec = _reconciler(obj)
+    if vacuum and rec.store.dialect != "sqlite":
+        raise click.UsageError("--vacuum is for SQLite; PostgreSQL's autovacuum does this")
+    if dry_run and vacuum:
+        raise click.UsageError("--dry-run changes nothing; --vacuum would")
+    if dry_run:
+        removed = rec.purge(older_than=older_than, dry_run=True)
+    else:
+        total = sum(rec.purge(older_than=older_than, dry_run=True).values())
+        with _progress_bar("purge", total) as advance:
+            done = [0]
+
+            def on_batch(n: int) -> None:
+                done[0] += n
+                if advance is not None:
+                    advance(done[0], total)
+
+            removed = rec.purge(older_than=older_than, operator=operator, on_batch=on_batch)
+    result: dict[str, Any] = {
+        "removed": removed,
+        "total": sum(removed.values()),
+        "dry_run": dry_run,
+    }
+    if vacuum:
+        before, after = rec.vacuum()
+        result["bytes_before"], result["bytes_after"] = before, after
+    if as_json:
+        _emit_json(result)
+        return
+    detail = ", ".join(f"{k}={v}" for k, v in sorted(removed.items())) or "nothing"
+    verb = "would purge" if dry_run else "purged"
+    out.print(f"{verb} {result['total']} operations ({detail})")
+    if vacuum:
+        out.print(f"vacuum: {result['bytes_before']} bytes before, {result['bytes_after']} after")
+
+
+@command(reconcile, "probe")
+@click.argument("operation_id", required=False)
+@click.option("--all", "every", is_flag=True, help="Probe every unresolved match of the filters.")
+@click.option("--tenant", default=None, help="The operation's tenant (with --all: a filter).")
+@filter_options
+@json_option
+def reconcile_probe(
+    obj: Context,
+    operation_id: str | None,
+    every: bool,
+    tenant: str | None,
+    endpoint: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    as_json: bool,
+) -> None:
+    """Ask the receiver (the endpoint's status_lookup) and settle what it answers.
+
+    Applied: resolved as succeeded. Not applied, within the key retention: requeued under
+    the same operation ID. After it: left unresolved, evidence in the audit. Unknown: left
+    for you. Every action is audited as actor status-lookup.
+    """
+    filters = {
+        "endpoint": endpoint,
+        "reason": reason,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    _selection(operation_id, every, tenant, filters, {})
+    rec = _reconciler(obj)
+    if operation_id is not None:
+        outcomes = [rec.probe(operation_id, tenant=tenant or "")]
+    else:
+        outcomes = rec.probe_all(tenant=tenant, **filters)
+    if as_json:
+        _emit_json([o.as_dict() for o in outcomes])
+        return
+    for o in outcomes:
+        tenant_note = f" (tenant {o.tenant!r})" if o.tenant else ""
+        out.print(
+            f"{o.operation_id}{tenant_note}: {o.action.value}, now {o.state.value}",
+            markup=False,
+        )
+        if o.lookup is not None:
+            out.print(f"  lookup: {o.lookup.describe()}", markup=False)
+        if o.lookup is None or o.detail != o.lookup.detail:
+            out.print(f"  {o.detail}", markup=False)
+    out.print(f"{len(outcomes)} operations probed", markup=False)

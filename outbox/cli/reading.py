@@ -1,0 +1,335 @@
+"""``outbox migrate``, ``outbox status`` and ``outbox show``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from outbox.cli_support import (
+    DURATION,
+    EXIT_REFUSED,
+    Context,
+    command,
+)
+from outbox.model import State
+
+if TYPE_CHECKING:
+    from outbox.reconcile import OperationReport
+    from outbox.status import Watch
+from outbox.cli.root import _emit_json, _filter_words, _reconciler, json_option, main, out
+
+# -- schema ---------------------------------------------------------------------------
+
+
+@command(main)
+def migrate(obj: Context) -> None:
+    """Create or upgrade the outbox tables (the only command that creates anything)."""
+    from outbox.store.engine import create_engine
+    from outbox.store.migrate import HEAD, current_revision, upgrade
+
+    if obj.db is None and obj.app:
+        url: Any = obj.outbox().engine.url
+    elif obj.db is None:
+        raise click.UsageError("name the database: --db URL (or set OUTBOX_DB)")
+    else:
+        url = obj.db
+    engine = create_engine(url, schema=obj.schema)
+    try:
+        before = current_revision(engine)
+        upgrade(engine)
+        where = f" in schema {obj.schema}" if obj.schema else ""
+        click.echo(f"outbox schema at revision {HEAD}{where} (was {before or 'empty'})")
+    finally:
+        engine.dispose()
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+@command(main, reads=True)
+@json_option
+@click.option("--check", is_flag=True, help="Exit 1 if a threshold below is exceeded.")
+@click.option(
+    "--max-unresolved",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="With --check: reconciliation backlog allowed.",
+)
+@click.option(
+    "--max-pending-age",
+    type=DURATION,
+    default="1h",
+    show_default=True,
+    help="With --check: age of the oldest pending operation allowed.",
+)
+@click.option(
+    "--max-near-expiry",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="With --check: live operations allowed within an hour of key expiry.",
+)
+@click.option(
+    "--dispatcher-timeout",
+    type=DURATION,
+    default="30s",
+    show_default=True,
+    help="A dispatcher silent this long is listed as lost.",
+)
+@click.option(
+    "--dispatcher-check/--no-dispatcher-check",
+    default=True,
+    show_default=True,
+    help="With --check: fail when work is due and no dispatcher was seen within the "
+    "dispatcher timeout (turn off for dispatchers run as `dispatch --once`).",
+)
+def status(
+    obj: Context,
+    as_json: bool,
+    check: bool,
+    max_unresolved: int,
+    max_pending_age: timedelta,
+    max_near_expiry: int,
+    dispatcher_timeout: timedelta,
+    dispatcher_check: bool,
+) -> None:
+    """Counts per state, backlog per endpoint, reconciliation backlog, dispatchers."""
+    report = _reconciler(obj).status(
+        max_unresolved=max_unresolved if check else None,
+        max_pending_age=max_pending_age if check else None,
+        max_near_expiry=max_near_expiry if check else None,
+        dispatcher_timeout=dispatcher_timeout,
+        require_dispatcher=check and dispatcher_check,
+        max_unsendable=0 if check else None,
+    )
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        from rich.table import Table
+
+        table = Table(title="outbox status")
+        table.add_column("state")
+        table.add_column("operations", justify="right")
+        for state, n in report.counts.items():
+            table.add_row(state, str(n))
+        out.print(table)
+        age = report.oldest_pending_age_seconds
+        out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()))
+        out.print(
+            f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
+            + (f" ({reasons})" if reasons else "")
+        )
+        out.print(f"attempts in the last hour: {report.attempts_last_hour}")
+        out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
+        if report.watch is not None:
+            _render_watch(report.watch)
+        for problem in report.problems:
+            out.print(f"PROBLEM: {problem}")
+    if check and report.problems:
+        sys.exit(EXIT_REFUSED)
+
+
+def _render_watch(watch: Watch) -> None:
+    from rich.table import Table
+
+    attempts = watch.attempts_dict()
+    if attempts["total"]:
+        parts = ", ".join(
+            f"{o['delivery']}/{o['verdict']} {o['count']}" for o in attempts["by_outcome"]
+        )
+        out.print(
+            f"  by outcome: {parts}; {attempts['not_succeeded_ratio'] * 100:.1f}% did not succeed",
+            markup=False,
+        )
+    endpoints = watch.endpoints_dict()
+    if endpoints:
+        table = Table(title="backlog by endpoint")
+        for column in ("endpoint", "due", "oldest due", "in flight", "unresolved", "unsendable"):
+            table.add_column(column, justify="left" if column == "endpoint" else "right")
+        for name, e in endpoints.items():
+            age = e["oldest_due_age_seconds"]
+            table.add_row(
+                name,
+                str(e["due"]),
+                "-" if age is None else f"{age:.1f}s",
+                str(e["in_flight"]),
+                str(e["unresolved"]),
+                str(e["unsendable"]),
+            )
+        out.print(table)
+    if not watch.dispatchers:
+        out.print("dispatchers: none seen (`outbox dispatch` writes a heartbeat every few seconds)")
+        return
+    table = Table(title=f"dispatchers ({len(watch.live)} live)")
+    for column in ("id", "state", "host", "pid", "in flight", "last seen", "started"):
+        table.add_column(column)
+    for d in watch.dispatchers:
+        row = d.as_dict()
+        table.add_row(
+            d.row.id,
+            d.state,
+            d.row.host,
+            str(d.row.pid),
+            f"{d.row.in_flight}/{d.row.concurrency}",
+            f"{d.last_seen_seconds_ago:.1f}s ago",
+            row["started_at"] or "",
+        )
+    out.print(table)
+
+
+def _render_report(report: OperationReport) -> None:
+    from rich.table import Table
+
+    from outbox.reconcile import attempt_dict
+
+    op = report.operation
+    out.print(
+        f"[bold]{op.operation_id}[/bold]  tenant={op.tenant!r}  endpoint={op.endpoint}",
+        markup=True,  # the operation ID, tenant and endpoint name cannot hold markup
+    )
+    out.print(f"state: {op.state.value}" + (f" ({op.reason.value})" if op.reason else ""))
+    out.print(f"why: {report.explanation}")
+    if op.last_error:
+        out.print(f"last error: {op.last_error}", markup=False)
+    if report.blocked_by:
+        out.print(f"waiting for: {report.blocked_by} (same ordering key, not yet settled)")
+    out.print(f"request: {op.method} {op.path}")
+    if op.headers:
+        out.print(f"headers: {json.dumps(op.headers, sort_keys=True)}")
+    out.print(f"body: {json.dumps(op.body, sort_keys=True)}", markup=False)
+    if op.result is not None:
+        out.print(
+            f"result: {op.result.status_code} {json.dumps(op.result.body, sort_keys=True)}",
+            markup=False,
+        )
+    table = Table(title="attempts")
+    for column in (
+        "#",
+        "request id",
+        "started",
+        "delivery",
+        "status",
+        "error",
+        "ms",
+        "receiver request id",
+    ):
+        table.add_column(column)
+    for a in op.attempts:
+        d = attempt_dict(a)
+        table.add_row(
+            str(a.number),
+            a.request_id,
+            d["started_at"] or "",
+            d["delivery"] or "open",
+            str(a.status_code or ""),
+            a.error_class or "",
+            str(a.duration_ms or ""),
+            a.receiver_request_id or "",
+        )
+    out.print(table)
+    for a in op.attempts:
+        out.print(f"  - {attempt_dict(a)['description']}", markup=False)
+    if op.state is State.UNRESOLVED:
+        out.print(f"requeue risk: {report.requeue_risk.note}", markup=False)
+    if report.audit:
+        out.print("audit:")
+        for r in report.audit:
+            out.print(
+                f"  {r.actor} {r.action} {r.from_state} -> {r.to_state}: {r.note}", markup=False
+            )
+
+
+def _show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
+    report = _reconciler(obj).show(operation_id, tenant=tenant)
+    if as_json:
+        _emit_json(report.as_dict())
+    else:
+        _render_report(report)
+
+
+@command(main, reads=True)
+@click.argument("operation_id")
+@click.option("--tenant", default="", help="The tenant (namespace) of the operation ID.")
+@json_option
+def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
+    """An operation's arguments, state and every attempt."""
+    _show(obj, operation_id, tenant, as_json)
+
+
+@command(main, reads=True)
+@click.option("--actor", default=None, help="Only this operator's actions.")
+@click.option("--operation", "operation_id", default=None, help="Only this operation ID's.")
+@click.option(
+    "--older-than", type=DURATION, default=None, help="Only actions longer ago than this."
+)
+@click.option(
+    "--newer-than", type=DURATION, default=None, help="Only actions more recent than this."
+)
+@click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@json_option
+def audit(
+    obj: Context,
+    actor: str | None,
+    operation_id: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    limit: int,
+    offset: int,
+    as_json: bool,
+) -> None:
+    """The audit trail of operator actions, newest first, and how many match in all."""
+    from outbox.browse import Browser
+    from outbox.reconcile import audit_dict
+
+    ob = obj.outbox()
+    now_ms = ob.clock.now_ms()
+    page = Browser(ob).audit_log(
+        actor=actor,
+        operation_id=operation_id,
+        until_ms=None if older_than is None else now_ms - _ms(older_than) + 1,
+        since_ms=None if newer_than is None else now_ms - _ms(newer_than),
+        limit=limit,
+        offset=offset,
+    )
+    entries = [
+        {"tenant": r.tenant, "operation_id": r.operation_id, **audit_dict(r)} for r in page.items
+    ]
+    if as_json:
+        _emit_json({"total": page.total, "limit": limit, "offset": offset, "entries": entries})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"audit ({len(entries)} shown of {page.total} matching)")
+    for column in ("at", "actor", "action", "operation id", "tenant", "from", "to", "note"):
+        table.add_column(column)
+    for e in entries:
+        table.add_row(
+            e["at"],
+            e["actor"],
+            e["action"],
+            e["operation_id"],
+            e["tenant"],
+            e["from_state"] or "",
+            e["to_state"] or "",
+            e["note"] or "",
+        )
+    out.print(table)
+    if offset + len(entries) < page.total:
+        more = [
+            *_filter_words(
+                actor=actor, operation=operation_id, older_than=older_than, newer_than=newer_than
+            ),
+            *("--limit", str(limit), "--offset", str(offset + len(entries))),
+        ]
+        out.print(f"more: {obj.command_hint('audit', *more)}", markup=False)
+
+
+def _ms(duration: timedelta) -> int:
+    return int(duration.total_seconds() * 1000)
