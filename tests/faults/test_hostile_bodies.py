@@ -21,7 +21,9 @@ import pytest
 from tenacity import wait_fixed
 
 from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State
-from outbox.lookup import LookupStatus, StatusLookup, lookup_status
+from outbox.config import StatusLookup
+from outbox.lookup import lookup_status
+from outbox.model import LookupStatus
 from outbox.transport import build_client
 from tests.faults.hostile import hostile_receiver
 
