@@ -18,7 +18,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -124,3 +124,42 @@ def error_detail(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or getattr(exc.__cause__, "orig", None) or exc
     lines = str(orig).strip().splitlines()
     return lines[0][:300] if lines else type(orig).__name__
+
+
+#: Outcome writes that fail on a transient database error are retried, with backoff
+#: from the first to the max delay, at most this many times and only while the lease
+#: of one of the batch's operations still holds.
+_OUTCOME_TRIES = 30
+_OUTCOME_RETRY_FIRST_SECONDS = 0.1
+_OUTCOME_RETRY_MAX_SECONDS = 2.0
+
+
+async def write_while_leased(
+    write: Callable[[], Awaitable[set[int]]], *, lease_left: Callable[[], float], log: Any
+) -> set[int]:
+    """Run a fenced write (``write``: the pks it wrote); retry a transient database
+    failure while ``lease_left()`` seconds of a lease still cover the next try (each
+    write is fenced, so a late retry changes nothing).
+
+    Given up, the leases expire and the next claim closes these attempts as unknown;
+    nothing is resent before that, but the outcome is lost, so it tries hard first.
+    """
+    delay = _OUTCOME_RETRY_FIRST_SECONDS
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return await write()
+        except Exception as exc:
+            left = lease_left()
+            transient = is_transient(exc)
+            if not transient or left < delay + 1.0 or tries >= _OUTCOME_TRIES:
+                log.error("outcome_write_failed", tries=tries, error=type(exc).__name__,
+                          detail=error_detail(exc), transient=transient,
+                          exc_info=exc)  # fmt: skip
+                return set()
+            log.warning("outcome_write_retry", tries=tries, error=type(exc).__name__,
+                        detail=error_detail(exc), retry_in_seconds=delay,
+                        lease_left_seconds=round(left, 3))  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _OUTCOME_RETRY_MAX_SECONDS)

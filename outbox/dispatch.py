@@ -8,12 +8,9 @@ batches by a single writer task, each write fenced on the claim's lease token.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -21,91 +18,46 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import failpoints, heartbeat
 from outbox.clock import Clock, OffsetClock
-from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
-from outbox.dbthread import DatabaseUnresponsive, DbThread, error_detail, is_transient
+from outbox.config import DispatcherSettings, Endpoint
+from outbox.dbthread import DatabaseUnresponsive, DbThread, write_while_leased
 from outbox.errors import StoreError
 from outbox.logs import get_logger
-from outbox.lookup import lookup_status
-from outbox.model import Delivery, ErrorClass, Reason, State, Verdict
+from outbox.model import ErrorClass, State
 from outbox.observe import NOTHING, Instrumentation
-from outbox.policy import decide, reason_from_history
+from outbox.outcomes import (
+    DispatchSummary,
+    Work,
+    attempt_outcome,
+    default_dispatcher_id,
+    json_headers,
+    not_sent_outcome,
+    transition_event,
+    unsendable_settlement,
+    unsendable_window_end,
+)
+from outbox.policy import reason_from_history
 from outbox.store.base import Store
-from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
-from outbox.transport import AttemptResult, build_client, request_headers, send_attempt
+from outbox.store.records import AttemptOutcome, Claimed, Settlement
+from outbox.transport import build_client, request_headers, send_attempt
+from outbox.unresolved import OnUnresolved, UnresolvedLookups
 from outbox.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from outbox.reconcile.probe import ProbeOutcome
+    pass
 
 logger = get_logger("outbox.dispatch")
 
 T = TypeVar("T")
 TransportFactory = Callable[[Endpoint], httpx.AsyncBaseTransport | None]
-#: Settles an operation that just became unresolved from its status lookup's answer,
-#: on the dispatcher's database thread: ``(operation_id=, tenant=, result=)``; the
-#: client supplies :func:`outbox.reconcile.probe.settle_after_dispatch`.
-OnUnresolved = Callable[..., "ProbeOutcome | None"]
+
+__all__ = ["DispatchSummary", "Dispatcher", "OnUnresolved", "TransportFactory"]
 
 #: How often a dispatcher re-reads the database server's clock (PostgreSQL).
 _CLOCK_SYNC_SECONDS = 30.0
 #: An operation naming an endpoint this dispatcher does not know is put back for this long.
 _UNKNOWN_ENDPOINT_DELAY_MS = 60_000
-#: The window of an operation this dispatcher cannot send, when nothing says otherwise.
-_DEFAULT_WINDOW_MS = RetryPolicy().window_ms
 #: The longest wait between claims while the database refuses them.
 _MAX_STORE_BACKOFF_SECONDS = 5.0
-#: Outcome writes that fail on a transient database error are retried, with backoff
-#: from the first to the max delay, at most this many times and only while the lease
-#: of one of the batch's operations still holds.
-_OUTCOME_TRIES = 30
-_OUTCOME_RETRY_FIRST_SECONDS = 0.1
-_OUTCOME_RETRY_MAX_SECONDS = 2.0
-
-
-@dataclass
-class DispatchSummary:
-    """What a dispatcher did: counts of operations and attempts."""
-
-    claimed: int = 0
-    attempts: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    retry_scheduled: int = 0
-    unresolved: int = 0
-    recovered: int = 0
-    fenced: int = 0
-    lease_check_failed: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "claimed": self.claimed,
-            "attempts": self.attempts,
-            "succeeded": self.succeeded,
-            "failed": self.failed,
-            "retry_scheduled": self.retry_scheduled,
-            "unresolved": self.unresolved,
-            "recovered": self.recovered,
-            "fenced": self.fenced,
-            "lease_check_failed": self.lease_check_failed,
-            "by_reason": dict(self.by_reason),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class _Work:
-    claimed: Claimed
-    endpoint: Endpoint
-    started: StartedAttempt
-    token: str
-    claimed_mono: float
-    lease_seconds: float
-    #: The instrumentation's handle on the claim batch (a trace span, say).
-    batch: Any = None
-
-
-def default_dispatcher_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class Dispatcher:
@@ -125,11 +77,9 @@ class Dispatcher:
     ) -> None:
         self.store = store
         self._observe = instrumentation or NOTHING
-        # Settles an operation from a status lookup made as it became unresolved.
-        self._on_unresolved = on_unresolved
         # Header names whose values are credentials: redacted where a receiver echoes them.
         self._secret_headers = tuple(secret_headers)
-        self._lookups: set[asyncio.Task[None]] = set()
+        self._lookups = UnresolvedLookups(self, on_unresolved)
         self.endpoints = dict(endpoints)
         self.clock = clock
         self.settings = settings
@@ -293,8 +243,7 @@ class Dispatcher:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._outcomes.put(None)
             await writer
-            if self._lookups:
-                await asyncio.gather(*self._lookups, return_exceptions=True)
+            await self._lookups.drain()
             for client in self._clients.values():
                 await client.aclose()
             self._clients.clear()
@@ -339,7 +288,7 @@ class Dispatcher:
             # Only the operator's view loses: the next claim tries again.
             self._log.warning("policy_snapshot_failed", error=type(exc).__name__)
 
-    async def _claim_and_start(self, limit: int) -> list[_Work]:
+    async def _claim_and_start(self, limit: int) -> list[Work]:
         token = str(uuid.uuid4())
         claim_ns = time.time_ns()
         claimed_mono = self.clock.monotonic()
@@ -411,7 +360,7 @@ class Dispatcher:
             }
         for problem, pks in unsendable.items():
             window_end = max(
-                (self._unsendable_window_end(c, now) for c in claimed if c.pk in pks),
+                (unsendable_window_end(c, now) for c in claimed if c.pk in pks),
                 default=now,
             )
             await self._run_db(
@@ -429,7 +378,7 @@ class Dispatcher:
                     self._observe.settled(
                         s.pk, s.state, s.reason, now, not_sent=s.not_sent is not None
                     )
-                    self._count_unresolved(s.reason)
+                    self.summary.count("operation_unresolved", s.reason)
                     self._log.warning(
                         "operation_unresolved",
                         operation_pk=s.pk,
@@ -450,7 +399,7 @@ class Dispatcher:
         for begun in started:
             self._lease_ends[begun.pk] = claimed_mono + self.lease_seconds
         return [
-            _Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds,
+            Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds,
                   batch)
             for s in started
         ]  # fmt: skip
@@ -461,17 +410,9 @@ class Dispatcher:
             f"(registered: {sorted(self.endpoints)}); never sent anywhere"
         )
 
-    @staticmethod
-    def _unsendable_window_end(c: Claimed, now: int) -> int:
-        """An operation no dispatcher can send lives as long as its window: from its
-        window's start (the first claim that could not send it, if no attempt was ever
-        made) for the snapshotted window, or the default policy's hour."""
-        start = c.window_started_at if c.window_started_at is not None else now
-        return start + (c.policy_window_ms or _DEFAULT_WINDOW_MS)
-
     def _unsendable(self, c: Claimed, token: str, now: int, problem: str) -> Settlement | None:
-        """The settlement of an operation this dispatcher must not send, once its window
-        has closed; None while it is open (it is put back, with the reason kept)."""
+        """Log an operation this dispatcher must not send; its settlement once its window
+        has closed, None while it is open (it is put back, with the reason kept)."""
         registered = c.endpoint in self.endpoints
         self._log.error(
             "operation_unsendable" if registered else "endpoint_not_registered",
@@ -480,27 +421,11 @@ class Dispatcher:
             endpoint=c.endpoint,
             detail=problem,
         )
-        if now <= self._unsendable_window_end(c, now):
-            return None
-        reason = reason_from_history(maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal)
-        error_class = ErrorClass.OPERATION_UNSENDABLE
-        if not registered:
-            error_class = ErrorClass.ENDPOINT_NOT_REGISTERED
-        return Settlement(
-            c.pk,
-            token,
-            State.UNRESOLVED,
-            reason,
-            last_error=f"{problem}; its window closed",
-            not_sent=(
-                error_class.value,
-                f"not sent: {problem}",
-                str(uuid.uuid4()),
-                self.dispatcher_id,
-            ),
+        return unsendable_settlement(
+            c, token, now, problem, registered=registered, dispatcher_id=self.dispatcher_id
         )
 
-    async def _attempt(self, work: _Work) -> None:
+    async def _attempt(self, work: Work) -> None:
         c, endpoint, started = work.claimed, work.endpoint, work.started
         log = self._log.bind(
             operation_id=c.operation_id,
@@ -518,10 +443,11 @@ class Dispatcher:
                 self.summary.lease_check_failed += 1
                 log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
                 await self._outcomes.put(
-                    self._not_sent(
+                    not_sent_outcome(
                         work,
                         ErrorClass.LEASE_CHECK_FAILED,
                         "not sent: too little of the lease was left for a full attempt",
+                        self.clock.now_ms(),
                     )
                 )
                 return
@@ -534,16 +460,17 @@ class Dispatcher:
                 # next claim settles the operation as unresolved.
                 log.warning("window_closed_before_send")
                 await self._outcomes.put(
-                    self._not_sent(
+                    not_sent_outcome(
                         work,
                         ErrorClass.WINDOW_CLOSED_BEFORE_SEND,
                         "not sent: the retry window closed between the claim and the send",
+                        self.clock.now_ms(),
                     )
                 )
                 return
             headers = request_headers(
                 endpoint,
-                stored_headers=_json_headers(c.headers_json),
+                stored_headers=json_headers(c.headers_json),
                 operation_id=c.operation_id,
                 request_id=started.request_id,
                 tenant=c.tenant,
@@ -560,7 +487,7 @@ class Dispatcher:
                 headers=headers,
                 body=c.body.encode("utf-8") if c.body is not None else None,
                 now_ms=self.clock.now_ms,
-                public_headers=_json_headers(c.headers_json),
+                public_headers=json_headers(c.headers_json),
                 secret_headers=self._secret_headers,
             )
             self._observe.attempt_sent(traced, result)
@@ -573,7 +500,7 @@ class Dispatcher:
                 duration_ms=result.duration_ms,
             )
             await failpoints.hit("after_response")
-            await self._outcomes.put(self._outcome(work, result))
+            await self._outcomes.put(attempt_outcome(work, result, self.clock.now_ms()))
         except Exception as exc:
             # A bug or a failpoint: leave the attempt open. The lease expires and the
             # next claim records it as unknown; nothing is lost or resent early.
@@ -582,82 +509,13 @@ class Dispatcher:
             self._lease_ends.pop(c.pk, None)
             self._release_slot(1)
 
-    def _lease_left(self, work: _Work) -> float:
+    def _lease_left(self, work: Work) -> float:
         """Seconds of the lease left, measured on the monotonic clock from before the claim."""
         return work.lease_seconds - (self.clock.monotonic() - work.claimed_mono)
-
-    def _not_sent(self, work: _Work, error_class: ErrorClass, message: str) -> AttemptOutcome:
-        c = work.claimed
-        return AttemptOutcome(
-            pk=c.pk,
-            lease_token=work.token,
-            request_id=work.started.request_id,
-            delivery=Delivery.NOT_SENT,
-            verdict=None,
-            counted=False,
-            status_code=None,
-            receiver_request_id=None,
-            error_class=error_class.value,
-            error_message=message,
-            duration_ms=0,
-            state=State.PENDING,
-            reason=None,
-            next_attempt_at=self.clock.now_ms(),
-            maybe_delivered=c.maybe_delivered,
-            saw_refusal=c.saw_refusal,
-        )
-
-    def _outcome(self, work: _Work, result: AttemptResult) -> AttemptOutcome:
-        c, endpoint, started = work.claimed, work.endpoint, work.started
-        cls = result.classification
-        in_progress = cls.verdict is Verdict.IN_PROGRESS
-        counted = not in_progress
-        maybe = c.maybe_delivered or cls.maybe_applied or cls.delivery is Delivery.UNKNOWN
-        refused = c.saw_refusal or cls.refused
-        now = self.clock.now_ms()
-        decision = decide(
-            endpoint=endpoint,
-            verdict=cls.verdict,
-            attempts_counted=c.attempts_counted + (1 if counted else 0),
-            maybe_delivered=maybe,
-            saw_refusal=refused,
-            retry_after_seconds=cls.retry_after_seconds,
-            deadline_ms=endpoint.deadline_ms(
-                window_started_at_ms=started.window_started_at,
-                first_attempt_at_ms=started.first_attempt_at,
-            ),
-            now_ms=now,
-            attempts_in_progress=c.attempts_in_progress + (1 if in_progress else 0),
-        )
-        return AttemptOutcome(
-            pk=c.pk,
-            lease_token=work.token,
-            request_id=started.request_id,
-            delivery=cls.delivery,
-            verdict=cls.verdict,
-            counted=counted,
-            status_code=result.status_code,
-            receiver_request_id=result.receiver_request_id,
-            error_class=result.error_class,
-            error_message=result.error_message,
-            duration_ms=result.duration_ms,
-            state=decision.state,
-            reason=decision.reason,
-            next_attempt_at=decision.next_attempt_at_ms,
-            maybe_delivered=maybe,
-            saw_refusal=refused,
-            result=result.result,
-            in_progress=in_progress,
-        )
 
     def _release_slot(self, n: int) -> None:
         self._inflight -= n
         self._capacity.set()
-
-    def _count_unresolved(self, reason: Any) -> None:
-        self.summary.unresolved += 1
-        key = str(reason)
-        self.summary.by_reason[key] = self.summary.by_reason.get(key, 0) + 1
 
     async def _write_outcomes(self) -> None:
         done = False
@@ -680,112 +538,35 @@ class Dispatcher:
                     self.wakeup.due_at(out.next_attempt_at)
                 names = self._log_transition(out, applied=out.pk in written)
                 if out.pk in written and out.state is State.UNRESOLVED:
-                    self._maybe_look_up(out, names)
+                    self._lookups.maybe(out, self.endpoints.get(names.get("endpoint", "")), names)
             await failpoints.hit("after_outcome")
             self._release_slot(len(batch))
 
     async def _record_outcomes(self, batch: list[AttemptOutcome]) -> set[int]:
-        """Write a batch of outcomes; retry a transient database failure while a lease
-        of the batch still holds (each write is fenced, so a late retry changes nothing).
+        """Write a batch of outcomes, retrying a transient database failure while a lease
+        of the batch still holds (see :func:`outbox.dbthread.write_while_leased`)."""
 
-        Given up, the leases expire and the next claim closes these attempts as unknown;
-        nothing is resent before that, but the outcome is lost, so we try hard first.
-        """
-        delay = _OUTCOME_RETRY_FIRST_SECONDS
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                return await self._run_db(
-                    self.store.record_outcomes, now_ms=self.clock.now_ms(), outcomes=batch
-                )
-            except Exception as exc:
-                lease_left = max(
-                    (self._lease_ends.get(out.pk, 0.0) for out in batch), default=0.0
-                ) - self.clock.monotonic()
-                transient = is_transient(exc)
-                if not transient or lease_left < delay + 1.0 or tries >= _OUTCOME_TRIES:
-                    # The leases will expire and another claim records these attempts
-                    # as unknown. Nothing is resent before that.
-                    self._log.error("outcome_write_failed", count=len(batch), tries=tries,
-                                    error=type(exc).__name__, detail=error_detail(exc),
-                                    transient=transient, exc_info=exc)  # fmt: skip
-                    return set()
-                self._log.warning("outcome_write_retry", count=len(batch), tries=tries,
-                                  error=type(exc).__name__, detail=error_detail(exc),
-                                  retry_in_seconds=delay,
-                                  lease_left_seconds=round(lease_left, 3))  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _OUTCOME_RETRY_MAX_SECONDS)
+        def lease_left() -> float:
+            ends = (self._lease_ends.get(out.pk, 0.0) for out in batch)
+            return max(ends, default=0.0) - self.clock.monotonic()
 
-    def _maybe_look_up(self, out: AttemptOutcome, names: dict[str, Any]) -> None:
-        """Ask the receiver about an operation that just became unresolved, if it can be asked."""
-        endpoint = self.endpoints.get(names.get("endpoint", ""))
-        if (
-            self._on_unresolved is None
-            or endpoint is None
-            or endpoint.status_lookup is None
-            or not endpoint.status_lookup.on_unresolved
-            or out.reason is Reason.KEY_CONFLICT
-        ):
-            return
-        task = asyncio.create_task(
-            self._look_up(endpoint, names["operation_id"], names["tenant"])
+        return await write_while_leased(
+            lambda: self._run_db(
+                self.store.record_outcomes, now_ms=self.clock.now_ms(), outcomes=batch
+            ),
+            lease_left=lease_left,
+            log=self._log.bind(count=len(batch)),
         )
-        self._lookups.add(task)
-        task.add_done_callback(self._lookups.discard)
-
-    async def _look_up(self, endpoint: Endpoint, operation_id: str, tenant: str) -> None:
-        log = self._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
-        try:
-            result = await lookup_status(self._client(endpoint), endpoint, operation_id, tenant)
-            assert self._on_unresolved is not None
-            outcome = await self._run_db(
-                self._on_unresolved, operation_id=operation_id, tenant=tenant, result=result
-            )
-        except Exception:
-            log.exception("status_lookup_failed")
-            return
-        self._observe.status_lookup(endpoint.name, result.status.value)
-        log.info("status_lookup", answer=result.status.value,
-                 action=outcome.action.value if outcome else "none")
-        if outcome is not None and outcome.state is State.SUCCEEDED:
-            self.summary.succeeded += 1
 
     def _log_transition(self, out: AttemptOutcome, *, applied: bool) -> dict[str, Any]:
         self._lease_ends.pop(out.pk, None)
         names = self._names.pop(out.pk, {"operation_pk": out.pk})
-        log = self._log.bind(request_id=out.request_id, **names)
-        if not applied:
-            self.summary.fenced += 1
-            log.warning("write_fenced", detail="another dispatcher holds the lease; dropped")
-            return names
-        if out.state is State.SUCCEEDED:
-            self.summary.succeeded += 1
-            log.info("operation_succeeded", status=out.status_code)
-        elif out.state is State.FAILED:
-            self.summary.failed += 1
-            log.info("operation_failed", status=out.status_code)
-        elif out.state is State.UNRESOLVED:
-            self._count_unresolved(out.reason)
-            log.warning("operation_unresolved", reason=out.reason)
-        elif out.delivery is not Delivery.NOT_SENT or out.error_class not in _NOT_TRIED:
-            self.summary.retry_scheduled += 1
-            log.info("retry_scheduled", next_attempt_at=out.next_attempt_at)
+        event = transition_event(out, applied=applied)
+        if event is not None:
+            level, name, fields = event
+            self.summary.count(name, out.reason)
+            getattr(self._log.bind(request_id=out.request_id, **names), level)(name, **fields)
         return names
-
-
-#: Attempts given back before sending: not a retry of the operation.
-_NOT_TRIED = frozenset(
-    {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
-)
-
-
-def _json_headers(text: str) -> dict[str, str]:
-    import json
-
-    value = json.loads(text)
-    return {str(k): str(v) for k, v in value.items()}
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float) -> None:

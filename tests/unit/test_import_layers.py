@@ -106,6 +106,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "outbox.heartbeat",
             "outbox.wakeup",
             "outbox.dbthread",
+            "outbox.outcomes",
+            "outbox.unresolved",
             "outbox.dispatch",
         ),
     ),

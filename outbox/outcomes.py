@@ -1,0 +1,210 @@
+"""What a dispatcher records after a claim, decided without it: one attempt's outcome
+(the policy reads the answer and the history on the row), the settlement of an
+operation no dispatcher can send, and the summary of a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from outbox.config import Endpoint, RetryPolicy
+from outbox.model import Delivery, ErrorClass, State, Verdict
+from outbox.policy import decide, reason_from_history
+from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
+from outbox.transport import AttemptResult
+
+#: The window of an operation whose policy was never snapshotted: the default policy's.
+DEFAULT_WINDOW_MS = RetryPolicy().window_ms
+
+
+@dataclass
+class DispatchSummary:
+    """What a dispatcher did: counts of operations and attempts."""
+
+    claimed: int = 0
+    attempts: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retry_scheduled: int = 0
+    unresolved: int = 0
+    recovered: int = 0
+    fenced: int = 0
+    lease_check_failed: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def count(self, event: str, reason: Any = None) -> None:
+        """Count one written outcome by its log event (see :func:`transition_event`)."""
+        name = _COUNTED[event]
+        setattr(self, name, getattr(self, name) + 1)
+        if event == "operation_unresolved":
+            key = str(reason)
+            self.by_reason[key] = self.by_reason.get(key, 0) + 1
+
+
+#: The summary field each transition event counts in.
+_COUNTED = {
+    "write_fenced": "fenced",
+    "operation_succeeded": "succeeded",
+    "operation_failed": "failed",
+    "operation_unresolved": "unresolved",
+    "retry_scheduled": "retry_scheduled",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One claimed operation on its way: the claim, its endpoint, its attempt row."""
+
+    claimed: Claimed
+    endpoint: Endpoint
+    started: StartedAttempt
+    token: str
+    claimed_mono: float
+    lease_seconds: float
+    #: The instrumentation's handle on the claim batch (a trace span, say).
+    batch: Any = None
+
+
+def default_dispatcher_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+#: Attempts given back before sending: not a retry of the operation.
+NOT_TRIED = frozenset(
+    {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
+)
+
+
+def json_headers(text: str) -> dict[str, str]:
+    value = json.loads(text)
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def unsendable_window_end(c: Claimed, now: int) -> int:
+    """An operation no dispatcher can send lives as long as its window: from its
+    window's start (the first claim that could not send it, if no attempt was ever
+    made) for the snapshotted window, or the default policy's hour."""
+    start = c.window_started_at if c.window_started_at is not None else now
+    return start + (c.policy_window_ms or DEFAULT_WINDOW_MS)
+
+
+def unsendable_settlement(
+    c: Claimed, token: str, now: int, problem: str, *, registered: bool, dispatcher_id: str
+) -> Settlement | None:
+    """The settlement of an operation a dispatcher must not send, once its window has
+    closed; None while it is open (it is put back, with the reason kept)."""
+    if now <= unsendable_window_end(c, now):
+        return None
+    reason = reason_from_history(maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal)
+    error_class = ErrorClass.OPERATION_UNSENDABLE
+    if not registered:
+        error_class = ErrorClass.ENDPOINT_NOT_REGISTERED
+    return Settlement(
+        c.pk,
+        token,
+        State.UNRESOLVED,
+        reason,
+        last_error=f"{problem}; its window closed",
+        not_sent=(
+            error_class.value,
+            f"not sent: {problem}",
+            str(uuid.uuid4()),
+            dispatcher_id,
+        ),
+    )
+
+
+def not_sent_outcome(
+    work: Work, error_class: ErrorClass, message: str, now_ms: int
+) -> AttemptOutcome:
+    """A request given back before it left: not sent, not counted, due now."""
+    c = work.claimed
+    return AttemptOutcome(
+        pk=c.pk,
+        lease_token=work.token,
+        request_id=work.started.request_id,
+        delivery=Delivery.NOT_SENT,
+        verdict=None,
+        counted=False,
+        status_code=None,
+        receiver_request_id=None,
+        error_class=error_class.value,
+        error_message=message,
+        duration_ms=0,
+        state=State.PENDING,
+        reason=None,
+        next_attempt_at=now_ms,
+        maybe_delivered=c.maybe_delivered,
+        saw_refusal=c.saw_refusal,
+    )
+
+
+def attempt_outcome(work: Work, result: AttemptResult, now_ms: int) -> AttemptOutcome:
+    """The outcome of a request that was sent (or may have been): the policy decides
+    the operation's next state from the answer and the history on its row."""
+    c, endpoint, started = work.claimed, work.endpoint, work.started
+    cls = result.classification
+    in_progress = cls.verdict is Verdict.IN_PROGRESS
+    counted = not in_progress
+    maybe = c.maybe_delivered or cls.maybe_applied or cls.delivery is Delivery.UNKNOWN
+    refused = c.saw_refusal or cls.refused
+    now = now_ms
+    decision = decide(
+        endpoint=endpoint,
+        verdict=cls.verdict,
+        attempts_counted=c.attempts_counted + (1 if counted else 0),
+        maybe_delivered=maybe,
+        saw_refusal=refused,
+        retry_after_seconds=cls.retry_after_seconds,
+        deadline_ms=endpoint.deadline_ms(
+            window_started_at_ms=started.window_started_at,
+            first_attempt_at_ms=started.first_attempt_at,
+        ),
+        now_ms=now,
+        attempts_in_progress=c.attempts_in_progress + (1 if in_progress else 0),
+    )
+    return AttemptOutcome(
+        pk=c.pk,
+        lease_token=work.token,
+        request_id=started.request_id,
+        delivery=cls.delivery,
+        verdict=cls.verdict,
+        counted=counted,
+        status_code=result.status_code,
+        receiver_request_id=result.receiver_request_id,
+        error_class=result.error_class,
+        error_message=result.error_message,
+        duration_ms=result.duration_ms,
+        state=decision.state,
+        reason=decision.reason,
+        next_attempt_at=decision.next_attempt_at_ms,
+        maybe_delivered=maybe,
+        saw_refusal=refused,
+        result=result.result,
+        in_progress=in_progress,
+    )
+
+
+def transition_event(
+    out: AttemptOutcome, *, applied: bool
+) -> tuple[str, str, dict[str, Any]] | None:
+    """How a written outcome is logged and counted: (level, event, fields); None for a
+    request given back before it was tried (not a retry of the operation)."""
+    if not applied:
+        return "warning", "write_fenced", {"detail": "another dispatcher holds the lease; dropped"}
+    if out.state is State.SUCCEEDED:
+        return "info", "operation_succeeded", {"status": out.status_code}
+    if out.state is State.FAILED:
+        return "info", "operation_failed", {"status": out.status_code}
+    if out.state is State.UNRESOLVED:
+        return "warning", "operation_unresolved", {"reason": out.reason}
+    if out.delivery is not Delivery.NOT_SENT or out.error_class not in NOT_TRIED:
+        return "info", "retry_scheduled", {"next_attempt_at": out.next_attempt_at}
+    return None

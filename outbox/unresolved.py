@@ -1,0 +1,77 @@
+"""Status lookups a dispatcher makes as operations become unresolved.
+
+When an operation the dispatcher just wrote as unresolved has an endpoint with a
+``status_lookup`` (``on_unresolved=True``), the receiver is asked at once; the answer is
+settled on the dispatcher's database thread by the ``on_unresolved`` callback the client
+gives (:func:`outbox.reconcile.probe.settle_after_dispatch`), so the dispatcher needs no
+operator code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from outbox.config import Endpoint
+from outbox.lookup import lookup_status
+from outbox.model import Reason, State
+from outbox.store.records import AttemptOutcome
+
+if TYPE_CHECKING:
+    from outbox.reconcile.probe import ProbeOutcome
+
+#: Settles an operation that just became unresolved from its status lookup's answer,
+#: on the dispatcher's database thread: ``(operation_id=, tenant=, result=)``.
+OnUnresolved = Callable[..., "ProbeOutcome | None"]
+
+
+class UnresolvedLookups:
+    """The lookups one dispatcher has started; :meth:`drain` waits for them at stop."""
+
+    def __init__(self, dispatcher: Any, on_unresolved: OnUnresolved | None) -> None:
+        # The dispatcher that owns these lookups (its client, database thread, log,
+        # instrumentation and summary); typed loosely, as this module sits below it.
+        self._dispatcher = dispatcher
+        self._on_unresolved = on_unresolved
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def maybe(self, out: AttemptOutcome, endpoint: Endpoint | None, names: dict[str, Any]) -> None:
+        """Ask the receiver about an operation that just became unresolved, if it can be
+        asked."""
+        if (
+            self._on_unresolved is None
+            or endpoint is None
+            or endpoint.status_lookup is None
+            or not endpoint.status_lookup.on_unresolved
+            or out.reason is Reason.KEY_CONFLICT
+        ):
+            return
+        task = asyncio.create_task(
+            self._look_up(self._on_unresolved, endpoint, names["operation_id"], names["tenant"])
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _look_up(
+        self, settle: OnUnresolved, endpoint: Endpoint, operation_id: str, tenant: str
+    ) -> None:
+        d = self._dispatcher
+        log = d._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
+        try:
+            result = await lookup_status(d._client(endpoint), endpoint, operation_id, tenant)
+            outcome = await d._run_db(
+                settle, operation_id=operation_id, tenant=tenant, result=result
+            )
+        except Exception:
+            log.exception("status_lookup_failed")
+            return
+        d._observe.status_lookup(endpoint.name, result.status.value)
+        log.info("status_lookup", answer=result.status.value,
+                 action=outcome.action.value if outcome else "none")  # fmt: skip
+        if outcome is not None and outcome.state is State.SUCCEEDED:
+            d.summary.succeeded += 1
