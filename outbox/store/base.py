@@ -21,8 +21,6 @@ from outbox.model import (
     PolicySnapshot,
     State,
 )
-from outbox.store.changes import ChangeSource
-from outbox.store.commit import TxStatus
 from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
     AttemptOutcome,
@@ -31,6 +29,7 @@ from outbox.store.records import (
     Recovered,
     Settlement,
     StartedAttempt,
+    TxStatus,
 )
 from outbox.store.rows import (
     attempt_from_row,
@@ -82,22 +81,6 @@ class Store(OperatorQueries):
         """Whether a write transaction of our own would wait on the caller itself
         (SQLite: this thread or task already holds the file's write lock)."""
         return False
-
-    # -- change signals (see outbox.store.changes) ---------------------------------
-
-    def _insert_wakes(self) -> tuple[Any, ...]:
-        """Extra RETURNING columns of the enqueue INSERT that signal dispatchers."""
-        return ()
-
-    def _signal_on(self, conn: Connection) -> None:
-        """Signal dispatchers from inside ``conn``'s transaction (delivered at commit)."""
-
-    def announce(self) -> None:
-        """Tell this process's dispatchers that a transaction of ours just committed work."""
-
-    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
-        """What wakes an idle dispatcher of this database, or None: poll only."""
-        return None
 
     def next_due_ms(self, now_ms: int) -> int | None:
         """The earliest ``next_attempt_at`` after ``now_ms`` among pending and in-flight

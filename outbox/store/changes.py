@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy import Engine, func, literal
+from sqlalchemy import Connection, Engine, func, literal
 from sqlalchemy.sql.elements import ColumnElement
 
 
@@ -55,6 +55,25 @@ class ChangeSource(Protocol):
 
 
 # --------------------------------------------------------------------------- PostgreSQL
+
+
+class ChangeSignals:
+    """The hooks a store overrides to signal dispatchers of its database (the base of
+    :class:`~outbox.store.base.Store`; the defaults signal nothing: poll only)."""
+
+    def _insert_wakes(self) -> tuple[Any, ...]:
+        """Extra RETURNING columns of the enqueue INSERT that signal dispatchers."""
+        return ()
+
+    def _signal_on(self, conn: Connection) -> None:
+        """Signal dispatchers from inside ``conn``'s transaction (delivered at commit)."""
+
+    def announce(self) -> None:
+        """Tell this process's dispatchers that a transaction of ours just committed work."""
+
+    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
+        """What wakes an idle dispatcher of this database, or None: poll only."""
+        return None
 
 
 def notify_channel() -> ColumnElement[Any]:
@@ -182,8 +201,11 @@ class SqliteWatch:
         # mode=rw: never create the file (the dispatcher's preflight checked it exists
         # and is private).
         conn = sqlite3.connect(
-            f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=0,
-            isolation_level=None, check_same_thread=False,
+            f"{self.path.resolve().as_uri()}?mode=rw",
+            uri=True,
+            timeout=0,
+            isolation_level=None,
+            check_same_thread=False,
         )
         try:
             last = _data_version(conn)

@@ -22,7 +22,6 @@ enqueue again with the *same* operation ID, which is safe because enqueue is ide
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,11 +31,11 @@ from sqlalchemy import Connection, select
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError, StoreError, StoreOutcomeUnknown
-from outbox.store.tables import operations as o
+from outbox.store.records import TxStatus
+from outbox.store.tables import operations
 
 if TYPE_CHECKING:
     from outbox.store.base import Store
-
 
 
 def _logger() -> Any:
@@ -45,18 +44,12 @@ def _logger() -> Any:
 
     return get_logger("outbox.store")
 
+
 T = TypeVar("T")
 
 #: How long enqueue keeps trying to establish the outcome of a failed COMMIT before it
 #: raises StoreOutcomeUnknown (reconnecting with backoff meanwhile).
 COMMIT_CHECK_SECONDS = 10.0
-
-
-class TxStatus(enum.Enum):
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    IN_PROGRESS = "in progress"
-    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +170,8 @@ def _find(store: Store, created: Sequence[Key]) -> int:
     with store.read() as conn:
         for key in created:
             sha = conn.execute(
-                select(o.c.args_sha256).where(
-                    o.c.tenant == key.tenant, o.c.operation_id == key.operation_id
+                select(operations.c.args_sha256).where(
+                    operations.c.tenant == key.tenant, operations.c.operation_id == key.operation_id
                 )
             ).scalar()
             if sha == key.args_sha256:

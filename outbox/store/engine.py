@@ -16,8 +16,9 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError, SchemaError, StoreError
-from outbox.store import tables, writelock
 from outbox.store.revisions import VERSION_TABLE, check_known
+from outbox.store.tables import attach_postgresql_options
+from outbox.store.writelock import track
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -151,7 +152,7 @@ def create_engine(
     parsed = normalize_url(url)
     kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "postgresql":
-        tables.attach_postgresql_options()
+        attach_postgresql_options()
         kwargs.setdefault("pool_pre_ping", True)
         connect_args = {
             key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query
@@ -206,7 +207,7 @@ def create_async_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> AsyncEng
     if parsed.get_backend_name() == "postgresql":
         if parsed.drivername == "postgresql+psycopg":
             parsed = parsed.set(drivername="postgresql+psycopg_async")
-        tables.attach_postgresql_options()
+        attach_postgresql_options()
         kwargs.setdefault("pool_pre_ping", True)
         connect_args = {
             key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query
@@ -335,7 +336,7 @@ def configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
 
     key = lock_key(engine.url)
     if key is not None:
-        writelock.track(engine, key)
+        track(engine, key)
 
 
 def _dispose_in_forked_children(engine: Engine) -> None:

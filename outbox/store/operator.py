@@ -28,11 +28,12 @@ from outbox.model import (
     Reason,
     State,
 )
+from outbox.store.changes import ChangeSignals
 from outbox.store.rows import AuditRecord, operation_from_row, policy_columns
 from outbox.store.tables import attempts, audit, operations
 
 
-class OperatorQueries:
+class OperatorQueries(ChangeSignals):
     """Operator and monitoring queries; :class:`~outbox.store.base.Store` mixes them in."""
 
     engine: Engine
@@ -42,12 +43,6 @@ class OperatorQueries:
         raise NotImplementedError
 
     def write(self) -> AbstractContextManager[Connection]:
-        raise NotImplementedError
-
-    def _signal_on(self, conn: Connection) -> None:
-        raise NotImplementedError
-
-    def announce(self) -> None:
         raise NotImplementedError
 
     # -- operators ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
-from outbox.store.commit import TxStatus
+from outbox.store.records import TxStatus
 from outbox.store.tables import operations
 
 

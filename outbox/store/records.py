@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from outbox.model import Delivery, Reason, State, Verdict
@@ -112,3 +113,12 @@ class InsertResult:
     pk: int
     created: bool
     args_sha256: str
+
+
+class TxStatus(enum.Enum):
+    """What became of a transaction whose COMMIT got no answer (PostgreSQL can tell)."""
+
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    IN_PROGRESS = "in progress"
+    UNKNOWN = "unknown"

@@ -20,7 +20,6 @@ imported first cannot hide either.
 from __future__ import annotations
 
 import ast
-import itertools
 import json
 import subprocess
 import sys
@@ -76,9 +75,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "outbox.store.migrate",
         ),
     ),
-    ("store: commits", ("outbox.store.commit",)),
     ("store: operator queries", ("outbox.store.operator",)),
     ("store: queries", ("outbox.store.base",)),
+    ("store: commits", ("outbox.store.commit",)),
     (
         "store: dialects and reads",
         (
@@ -140,16 +139,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("package", ("outbox",)),
 ]
-
-#: Imports that break the order today, listed so that no new one can come in. Each is
-#: (importer, imported, kind); the list only shrinks.
-KNOWN_VIOLATIONS: frozenset[tuple[str, str, str]] = frozenset(
-    {
-        ("outbox.store.commit", "outbox.store.base", "type-checking"),
-        ("outbox.store.engine", "outbox.store.migrate", "lazy"),
-        ("outbox.store.engine", "outbox.store", "module"),
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +272,7 @@ def test_imports_follow_the_layers() -> None:
     found = []
     for imp in graph():
         why = violation(imp)
-        if why is not None and (imp.importer, imp.imported, imp.kind) not in KNOWN_VIOLATIONS:
+        if why is not None:
             found.append(f"{imp.importer}:{imp.line} {why}")
     assert not found, "\n".join(found)
 
@@ -311,9 +300,7 @@ def test_no_cycle_among_module_level_imports() -> None:
     for node in sorted(edges):
         if node not in state:
             walk(node)
-    known = {(a, b) for a, b, _ in KNOWN_VIOLATIONS}
-    fresh = [c for c in cycles if not any(pair in known for pair in itertools.pairwise(c))]
-    assert not fresh, "import cycles:\n" + "\n".join(" -> ".join(c) for c in fresh)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_the_checks_catch_what_they_are_for() -> None:
