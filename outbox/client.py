@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,7 +19,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from outbox.aio import AsyncMethods, EnqueueHost, is_async_connection
+from outbox.aio import AsyncMethods, EnqueueHost
 from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
     Intent,
@@ -44,10 +43,10 @@ from outbox.model import Operation, State
 from outbox.observe import Instrumentation, combine
 from outbox.store import Store, store_for
 from outbox.store.commit import Key, write_and_commit
-from outbox.store.engine import DEFAULT_URL, create_engine
+from outbox.store.engine import outbox_engine
 from outbox.store.migrate import ensure_schema
 from outbox.store.rows import operation_row
-from outbox.transaction import TransactionMethods
+from outbox.transaction import INSIDE_A_TRANSACTION, TransactionMethods, connection_of
 
 T = TypeVar("T")
 
@@ -59,34 +58,6 @@ if TYPE_CHECKING:
     from outbox.dispatch import Dispatcher, DispatchSummary, TransportFactory
     from outbox.metrics import OutboxMetrics
     from outbox.reconcile import Reconciler
-
-#: Engines made by outbox.create_engine: safe to use for our own SQLite writes.
-_CONFIGURED: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-#: Own-transaction enqueue from a caller that holds the SQLite file's write lock.
-INSIDE_A_TRANSACTION = (
-    "pass connection=… (you are inside a transaction on this database): this thread (or task) "
-    "already holds the write lock on {path}, so an enqueue in a transaction of its own "
-    "would wait for a lock only you can release. Enqueue on the connection (or Session) "
-    "of your transaction, or use `with ob.transaction(engine) as tx: tx.enqueue(...)`."
-)
-
-
-def _connection_of(connection: Any, method: str = "enqueue") -> Connection:
-    if isinstance(connection, Connection):
-        return connection
-    if is_async_connection(connection):
-        raise ValidationError(
-            f"{type(connection).__name__} is asynchronous: use "
-            f"`await ob.{method}_async(..., connection=...)`"
-        )
-    get = getattr(connection, "connection", None)
-    if callable(get):  # an ORM Session: join its transaction
-        conn = get()
-        if isinstance(conn, Connection):
-            return conn
-    raise ValidationError("connection must be a SQLAlchemy Connection or ORM Session")
 
 
 class Outbox(AsyncMethods, TransactionMethods):
@@ -116,29 +87,9 @@ class Outbox(AsyncMethods, TransactionMethods):
         tracer_provider: Any = None,
         schema: str | None = None,
     ) -> None:
-        if isinstance(db, Engine) and schema is not None:
-            raise ConfigurationError(
-                "schema= applies to a URL; for an engine of your own, give it the "
-                "search_path (outbox.create_engine(url, schema=...))"
-            )
-        if isinstance(db, Engine):
-            user_engine = db
-            if user_engine.dialect.name == "sqlite" and user_engine not in _CONFIGURED:
-                # Our own writes need BEGIN IMMEDIATE and the pragmas: use an engine of ours
-                # on the same file; enqueue(connection=...) still joins the caller's.
-                self.engine = create_engine(user_engine.url)
-                self._owns_engine = True
-            else:
-                self.engine = user_engine
-                self._owns_engine = False
-        else:
-            self.engine = create_engine(
-                db if db is not None else DEFAULT_URL,
-                schema=schema,
-                create_file=auto_migrate is not False,
-            )
-            self._owns_engine = True
-        _CONFIGURED.add(self.engine)
+        self.engine, self._owns_engine = outbox_engine(
+            db, schema=schema, create_file=auto_migrate is not False
+        )
         try:
             is_sqlite = self.engine.dialect.name == "sqlite"
             ensure_schema(self.engine, create=is_sqlite if auto_migrate is None else auto_migrate)
@@ -232,7 +183,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         """
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is not None:
-            return self._enqueue_on(_connection_of(connection), intent)
+            return self._enqueue_on(connection_of(connection), intent)
         op_id, tenant, ordering_key, args = self._validate(intent)
 
         def work(conn: Connection) -> tuple[Operation, list[Key]]:
@@ -254,7 +205,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         # Validate everything first: a bad item must not leave the others half-done.
         checked = [self._validate(intent) for intent in intents]
         if connection is not None:
-            return self._enqueue_many_on(_connection_of(connection, "enqueue_many"), checked)
+            return self._enqueue_many_on(connection_of(connection, "enqueue_many"), checked)
 
         def work(conn: Connection) -> tuple[list[Operation], list[Key]]:
             return self._enqueue_many_created(conn, checked)

@@ -167,3 +167,28 @@ class TransactionMethods:
             raise ValidationError(
                 "transaction_async() takes an AsyncEngine, AsyncConnection or AsyncSession"
             )
+
+
+#: Own-transaction enqueue from a caller that holds the SQLite file's write lock.
+INSIDE_A_TRANSACTION = (
+    "pass connection=… (you are inside a transaction on this database): this thread (or task) "
+    "already holds the write lock on {path}, so an enqueue in a transaction of its own "
+    "would wait for a lock only you can release. Enqueue on the connection (or Session) "
+    "of your transaction, or use `with ob.transaction(engine) as tx: tx.enqueue(...)`."
+)
+
+
+def connection_of(connection: Any, method: str = "enqueue") -> Connection:
+    if isinstance(connection, Connection):
+        return connection
+    if is_async_connection(connection):
+        raise ValidationError(
+            f"{type(connection).__name__} is asynchronous: use "
+            f"`await ob.{method}_async(..., connection=...)`"
+        )
+    get = getattr(connection, "connection", None)
+    if callable(get):  # an ORM Session: join its transaction
+        conn = get()
+        if isinstance(conn, Connection):
+            return conn
+    raise ValidationError("connection must be a SQLAlchemy Connection or ORM Session")

@@ -119,6 +119,39 @@ PG_CONNECT_DEFAULTS: dict[str, Any] = {
 PG_STATEMENT_TIMEOUT_MS = 30_000
 
 
+#: Engines made by create_engine (or adopted by an Outbox): safe for our own SQLite writes.
+_CONFIGURED: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def outbox_engine(
+    db: str | URL | Engine | None, *, schema: str | None, create_file: bool
+) -> tuple[Engine, bool]:
+    """The engine an ``Outbox`` writes through, and whether it owns it (disposes it).
+
+    A caller's SQLite engine not made by :func:`create_engine` is replaced by one of ours
+    on the same file: our own writes need ``BEGIN IMMEDIATE`` and the pragmas
+    (``enqueue(connection=...)`` still joins the caller's). Any other engine is used as
+    it is.
+    """
+    if isinstance(db, Engine) and schema is not None:
+        raise ConfigurationError(
+            "schema= applies to a URL; for an engine of your own, give it the "
+            "search_path (outbox.create_engine(url, schema=...))"
+        )
+    owned = True
+    if isinstance(db, Engine):
+        if db.dialect.name == "sqlite" and db not in _CONFIGURED:
+            engine = create_engine(db.url)
+        else:
+            engine, owned = db, False
+    else:
+        engine = create_engine(
+            db if db is not None else DEFAULT_URL, schema=schema, create_file=create_file
+        )
+    _CONFIGURED.add(engine)
+    return engine, owned
+
+
 def create_engine(
     url: str | URL = DEFAULT_URL,
     *,
