@@ -26,10 +26,6 @@ class State(enum.StrEnum):
     UNRESOLVED = "unresolved"
 
     @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-    @property
     def is_settled(self) -> bool:
         """Terminal or waiting for an operator: the dispatcher will not touch it."""
         return self in TERMINAL_STATES or self is State.UNRESOLVED
@@ -182,16 +178,6 @@ class Attempt:
     error_message: str | None = None
     duration_ms: int | None = None
     counted: bool = True  #: False for 409 "still processing", which spends no attempt
-
-    @property
-    def is_open(self) -> bool:
-        return self.delivery is None
-
-    @property
-    def started_at(self) -> datetime:
-        started = ms_to_datetime(self.started_at_ms)
-        assert started is not None
-        return started
 
 
 @dataclass(frozen=True, slots=True)

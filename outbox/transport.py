@@ -318,13 +318,7 @@ def aiohttp_transport(endpoint: Endpoint) -> httpx.AsyncBaseTransport:
 
 
 def default_transport(endpoint: Endpoint) -> httpx.AsyncBaseTransport:
-    """The aiohttp-backed transport when aiohttp is installed, else httpx's own."""
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        n = endpoint.max_connections
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        return httpx.AsyncHTTPTransport(retries=0, limits=limits)
+    """The aiohttp-backed transport (aiohttp is a dependency, pinned to its major)."""
     return aiohttp_transport(endpoint)
 
 

@@ -91,7 +91,7 @@ def reconcile_list(
         "older_than": older_than,
         "newer_than": newer_than,
     }
-    ops = rec.list(**filters, limit=limit, offset=offset)
+    ops = rec.unresolved(**filters, limit=limit, offset=offset)
     total = rec.count(**filters)
     if as_json:
         operations = [operation_dict(op) for op in ops]

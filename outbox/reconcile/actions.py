@@ -6,7 +6,6 @@ concurrency): of two operators acting at once, one wins and the other gets
 
 from __future__ import annotations
 
-import builtins
 import getpass
 import json
 import re
@@ -103,7 +102,7 @@ class OperatorActions:
             raise ValidationError("a duration filter must not be negative")
         return self.outbox.clock.now_ms() - int(age.total_seconds() * 1000)
 
-    def list(
+    def unresolved(
         self,
         *,
         tenant: str | None = None,
@@ -113,7 +112,7 @@ class OperatorActions:
         newer_than: timedelta | None = None,
         limit: int = 50,
         offset: int = 0,
-    ) -> builtins.list[Operation]:
+    ) -> list[Operation]:
         """Unresolved operations, oldest first, filtered and paged. ``older_than`` and
         ``newer_than`` are ages of the last change (how long it has been unresolved)."""
         if limit < 1 or offset < 0:

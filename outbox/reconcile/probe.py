@@ -338,7 +338,7 @@ def probe_all(
     ops: list[Operation] = []
     page = 500
     while limit is None or len(ops) < limit:
-        batch = rec.list(
+        batch = rec.unresolved(
             endpoint=endpoint,
             tenant=tenant,
             reason=reason,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,7 @@ class Reconciler(OperatorActions):
         reason: Reason | str | None = None,
         older_than: timedelta | None = None,
         newer_than: timedelta | None = None,
-    ) -> builtins.list[ProbeOutcome]:
+    ) -> list[ProbeOutcome]:
         """:meth:`probe` every unresolved operation (optionally filtered)."""
         from outbox.reconcile.probe import probe_all
 

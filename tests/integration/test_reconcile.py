@@ -164,27 +164,27 @@ def test_list_is_the_unresolved_queue_oldest_first_filtered_and_paged(shared: Wo
         return [o.operation_id for o in ops]
 
     # lost went unresolved in the first batch; busy and dark 120 s later (id order).
-    assert ids(world.rec.list()) == ["op-lost", "op-busy", "op-dark"]
-    assert all(o.state is State.UNRESOLVED for o in world.rec.list())
-    assert ids(world.rec.list(tenant="acme")) == ["op-busy"]
-    assert ids(world.rec.list(tenant="")) == ["op-dark"]
-    assert ids(world.rec.list(tenant="nobody")) == []
-    assert ids(world.rec.list(endpoint="fragile")) == ["op-lost"]
-    assert ids(world.rec.list(endpoint="inventory")) == ["op-busy"]
-    assert ids(world.rec.list(reason="never_delivered")) == ["op-dark"]
-    assert ids(world.rec.list(reason=Reason.RETRIES_EXHAUSTED)) == ["op-busy"]
-    assert ids(world.rec.list(tenant="acme", reason="outcome_unknown")) == []
-    assert ids(world.rec.list(limit=1)) == ["op-lost"]
-    assert ids(world.rec.list(limit=1, offset=1)) == ["op-busy"]
-    assert ids(world.rec.list(limit=2, offset=2)) == ["op-dark"]
-    assert ids(world.rec.list(offset=3)) == []
-    assert ids(world.rec.list(older_than=timedelta(seconds=60))) == ["op-lost"]
+    assert ids(world.rec.unresolved()) == ["op-lost", "op-busy", "op-dark"]
+    assert all(o.state is State.UNRESOLVED for o in world.rec.unresolved())
+    assert ids(world.rec.unresolved(tenant="acme")) == ["op-busy"]
+    assert ids(world.rec.unresolved(tenant="")) == ["op-dark"]
+    assert ids(world.rec.unresolved(tenant="nobody")) == []
+    assert ids(world.rec.unresolved(endpoint="fragile")) == ["op-lost"]
+    assert ids(world.rec.unresolved(endpoint="inventory")) == ["op-busy"]
+    assert ids(world.rec.unresolved(reason="never_delivered")) == ["op-dark"]
+    assert ids(world.rec.unresolved(reason=Reason.RETRIES_EXHAUSTED)) == ["op-busy"]
+    assert ids(world.rec.unresolved(tenant="acme", reason="outcome_unknown")) == []
+    assert ids(world.rec.unresolved(limit=1)) == ["op-lost"]
+    assert ids(world.rec.unresolved(limit=1, offset=1)) == ["op-busy"]
+    assert ids(world.rec.unresolved(limit=2, offset=2)) == ["op-dark"]
+    assert ids(world.rec.unresolved(offset=3)) == []
+    assert ids(world.rec.unresolved(older_than=timedelta(seconds=60))) == ["op-lost"]
     with pytest.raises(ValidationError):
-        world.rec.list(limit=0)
+        world.rec.unresolved(limit=0)
     with pytest.raises(ValidationError):
-        world.rec.list(offset=-1)
+        world.rec.unresolved(offset=-1)
     with pytest.raises(ValueError, match="not_a_reason"):
-        world.rec.list(reason="not_a_reason")
+        world.rec.unresolved(reason="not_a_reason")
 
 
 def test_show_tells_the_story_of_each_unresolved_operation(shared: World) -> None:
