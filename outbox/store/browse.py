@@ -4,7 +4,6 @@ Used by :mod:`outbox.browse` (the web console's library); the overview's aggrega
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,7 @@ from sqlalchemy import func, select
 
 from outbox.model import Operation, Reason, State
 from outbox.store.base import Store
-from outbox.store.rows import AuditRecord, operation_from_row
+from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row
 from outbox.store.tables import audit, operations
 
 
@@ -96,20 +95,7 @@ def audit_page(
             .limit(limit)
             .offset(offset)
         ).all()
-    return [
-        AuditRecord(
-            tenant=r.tenant,
-            operation_id=r.operation_id,
-            actor=r.actor,
-            action=r.action,
-            from_state=r.from_state,
-            to_state=r.to_state,
-            note=r.note,
-            details=json.loads(r.details) if r.details else None,
-            at_ms=r.at,
-        )
-        for r in rows
-    ], total
+    return [audit_from_row(r) for r in rows], total
 
 
 def distinct_values(store: Store) -> tuple[list[str], list[str], list[str]]:

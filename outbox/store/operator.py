@@ -6,7 +6,6 @@ A base of :class:`~outbox.store.base.Store`, which supplies the transactions.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -29,7 +28,7 @@ from outbox.model import (
     State,
 )
 from outbox.store.changes import ChangeSignals
-from outbox.store.rows import AuditRecord, operation_from_row, policy_columns
+from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row, policy_columns
 from outbox.store.tables import attempts, audit, operations
 
 
@@ -177,20 +176,7 @@ class OperatorQueries(ChangeSignals):
                 .where(audit.c.tenant == tenant, audit.c.operation_id == operation_id)
                 .order_by(audit.c.id)
             ).all()
-        return [
-            AuditRecord(
-                tenant=r.tenant,
-                operation_id=r.operation_id,
-                actor=r.actor,
-                action=r.action,
-                from_state=r.from_state,
-                to_state=r.to_state,
-                note=r.note,
-                details=json.loads(r.details) if r.details else None,
-                at_ms=r.at,
-            )
-            for r in rows
-        ]
+        return [audit_from_row(r) for r in rows]
 
     def purgeable_counts(self, *, finished_before_ms: int) -> dict[str, int]:
         """What :meth:`purge` would delete now, per state."""

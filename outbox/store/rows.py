@@ -158,3 +158,17 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         last_error=r.last_error,
         policy=policy_from_row(r),
     )
+
+
+def audit_from_row(r: Row[Any]) -> AuditRecord:
+    return AuditRecord(
+        tenant=r.tenant,
+        operation_id=r.operation_id,
+        actor=r.actor,
+        action=r.action,
+        from_state=r.from_state,
+        to_state=r.to_state,
+        note=r.note,
+        details=json.loads(r.details) if r.details else None,
+        at_ms=r.at,
+    )
