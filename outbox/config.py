@@ -376,8 +376,7 @@ class Endpoint:
     def deadline_ms(self, *, window_started_at_ms: int, first_attempt_at_ms: int) -> int:
         """The last moment an attempt may start: the window, capped by key retention."""
         by_window = window_started_at_ms + self.retry.window_ms
-        usable = self.key_retention - self.margin
-        by_key = first_attempt_at_ms + int(usable.total_seconds() * 1000)
+        by_key = self.policy_snapshot().key_usable_until_ms(first_attempt_at_ms)
         return min(by_window, by_key)
 
 

@@ -221,6 +221,15 @@ class PolicySnapshot:
         retention less the margin kept before the receiver forgets the key."""
         return self.key_retention_ms - self.margin_ms
 
+    def key_usable_until_ms(self, first_attempt_at_ms: int) -> int:
+        """The last moment a request may be sent under the key: the one rule (first
+        attempt + key retention - margin) the dispatcher, requeues and probes share."""
+        return first_attempt_at_ms + self.sendable_ms
+
+    def key_expires_at_ms(self, first_attempt_at_ms: int) -> int:
+        """When the receiver may forget the key (no margin)."""
+        return first_attempt_at_ms + self.key_retention_ms
+
 
 @dataclass(frozen=True, slots=True)
 class Operation:

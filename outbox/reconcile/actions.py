@@ -175,7 +175,7 @@ class OperatorActions:
             return RequeueRisk(None, False, "no attempt was ever sent: requeue is safe", source)
         expires = None
         if policy is not None:
-            expires = op.first_attempt_at_ms + policy.key_retention_ms
+            expires = policy.key_expires_at_ms(op.first_attempt_at_ms)
         if op.attempts and all(a.delivery is Delivery.NOT_SENT for a in op.attempts):
             return RequeueRisk(
                 expires, False, "no attempt ever left this machine: requeue is safe", source
@@ -192,7 +192,7 @@ class OperatorActions:
             )
         # The dispatcher stops sending a margin before the receiver forgets the key; past
         # that point a requeue without accepting the risk would send nothing.
-        passed = self.outbox.clock.now_ms() >= op.first_attempt_at_ms + policy.sendable_ms
+        passed = self.outbox.clock.now_ms() >= policy.key_usable_until_ms(op.first_attempt_at_ms)
         if passed:
             note = (
                 "the receiver's key retention has passed since the first attempt: a resend "

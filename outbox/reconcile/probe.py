@@ -205,14 +205,11 @@ def _settle(
     if result.status is LookupStatus.NOT_APPLIED:
         endpoint = item.endpoint
         assert endpoint is not None
-        # The dispatcher sends under a key only until first attempt + retention - margin;
-        # a requeue later than that would go straight back to unresolved.
-        usable_until = (
-            None
-            if op.first_attempt_at_ms is None
-            else op.first_attempt_at_ms
-            + int((endpoint.key_retention - endpoint.margin).total_seconds() * 1000)
-        )
+        # The dispatcher sends under a key only until it is no longer usable; a requeue
+        # later than that would go straight back to unresolved.
+        policy = endpoint.policy_snapshot()
+        first = op.first_attempt_at_ms
+        usable_until = None if first is None else policy.key_usable_until_ms(first)
         if not requeue_not_applied:
             _record_evidence(
                 outbox,
@@ -246,7 +243,7 @@ def _settle(
                 detail=result.detail,
                 lookup=result,
             )
-        expires = (op.first_attempt_at_ms or 0) + int(endpoint.key_retention.total_seconds() * 1000)
+        expires = policy.key_expires_at_ms(first or 0)
         expires_at = ms_to_iso(expires, timespec="seconds") or "?"
         note = (
             f"status lookup: never applied according to the receiver ({result.describe()}), "
