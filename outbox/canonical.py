@@ -164,6 +164,15 @@ def canonical_json(value: Any) -> str:
         raise ValidationError(f"json body is not JSON-serialisable: {exc}") from exc
 
 
+def canonical_json_text(text: str | bytes) -> str | None:
+    """``text`` read as JSON and written back in canonical form (sorted keys, compact
+    separators): how a receiver's body is stored and compared. None if it is not JSON."""
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except (ValueError, RecursionError):
+        return None
+
+
 def canonicalize(
     *,
     endpoint: str,

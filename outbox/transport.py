@@ -21,6 +21,7 @@ import httpx
 
 from outbox import sending
 from outbox.body import ACCEPT_ENCODING, Body, read_body
+from outbox.canonical import canonical_json_text
 from outbox.classify import (
     IN_PROGRESS_STATUS,
     MAYBE_APPLIED_STATUSES,
@@ -147,9 +148,8 @@ def _stored_result(
         except UnicodeDecodeError:
             text = None
         if text is not None:
-            try:
-                stored = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
-            except (ValueError, RecursionError):
+            stored = canonical_json_text(text)
+            if stored is None:
                 stored = json.dumps(text)
     return StoredResult(
         status=response.status_code,

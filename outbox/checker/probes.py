@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from outbox.body import read_body
+from outbox.canonical import canonical_json_text
 from outbox.lookup import lookup_status
 from outbox.model import LookupResult, Verdict
 from outbox.transport import classify_response, clean_message, request_headers
@@ -43,10 +43,7 @@ class Probe:
     @property
     def result(self) -> str:
         """The body, canonical when it is JSON: what two results are compared by."""
-        try:
-            return json.dumps(json.loads(self.body), sort_keys=True, separators=(",", ":"))
-        except ValueError:
-            return self.body.decode("utf-8", errors="replace")
+        return canonical_json_text(self.body) or self.body.decode("utf-8", errors="replace")
 
     @property
     def echoed_request_id(self) -> str | None:
