@@ -32,8 +32,18 @@ class State(enum.StrEnum):
 
 
 TERMINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
-#: States that make a later operation with the same ordering key wait.
-BLOCKING_STATES = frozenset({State.PENDING, State.IN_FLIGHT, State.UNRESOLVED})
+#: States a dispatcher claims from (when due): the due index holds only these.
+DUE_STATES = frozenset({State.PENDING, State.IN_FLIGHT})
+#: Live operations: not terminal (the backlog, and what the status figures count).
+LIVE_STATES = DUE_STATES | {State.UNRESOLVED}
+#: States that make a later operation with the same ordering key wait: every live one.
+BLOCKING_STATES = LIVE_STATES
+
+
+def state_values(states: frozenset[State]) -> list[str]:
+    """A state set's values in declaration order: its one spelling in SQL (the due
+    index's WHERE, the SQLite claim's text and the queries all match it)."""
+    return [s.value for s in State if s in states]
 
 
 class Reason(enum.StrEnum):

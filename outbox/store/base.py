@@ -20,6 +20,7 @@ from outbox.model import (
     Operation,
     PolicySnapshot,
     State,
+    state_values,
 )
 from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
@@ -213,7 +214,7 @@ class Store(OperatorQueries):
                     operations.c.tenant == op.tenant,
                     operations.c.ordering_key == op.ordering_key,
                     operations.c.id < op.pk,
-                    operations.c.state.in_([s.value for s in BLOCKING_STATES]),
+                    operations.c.state.in_(state_values(BLOCKING_STATES)),
                 )
                 .order_by(operations.c.id)
                 .limit(1)
@@ -229,7 +230,7 @@ class Store(OperatorQueries):
             earlier.c.tenant == operations.c.tenant,
             earlier.c.ordering_key == operations.c.ordering_key,
             earlier.c.id < operations.c.id,
-            earlier.c.state.in_(_states(State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)),
+            earlier.c.state.in_(_states(*BLOCKING_STATES)),
         )
         return (
             select(operations.c.id)

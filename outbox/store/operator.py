@@ -22,10 +22,12 @@ from sqlalchemy import (
 
 from outbox.errors import StoreError
 from outbox.model import (
+    LIVE_STATES,
     Operation,
     PolicySnapshot,
     Reason,
     State,
+    state_values,
 )
 from outbox.store.changes import ChangeSignals
 from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row, policy_columns
@@ -286,7 +288,7 @@ class OperatorQueries(ChangeSignals):
     def keys_near_expiry_by_snapshot(self, expiring_before_ms: int) -> int:
         """Live, attempted operations whose key (by their policy snapshot) expires
         before the given time."""
-        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        live = state_values(LIVE_STATES)
         with self.read() as conn:
             return int(
                 conn.execute(
@@ -304,7 +306,7 @@ class OperatorQueries(ChangeSignals):
 
     def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
         """Like :meth:`keys_near_expiry_by_snapshot`, for rows without a snapshot."""
-        live = [s.value for s in (State.PENDING, State.IN_FLIGHT, State.UNRESOLVED)]
+        live = state_values(LIVE_STATES)
         with self.read() as conn:
             return int(
                 conn.execute(

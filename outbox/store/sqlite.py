@@ -14,22 +14,24 @@ from sqlalchemy import Engine, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from outbox.errors import StoreError
+from outbox.model import BLOCKING_STATES, DUE_STATES
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, SqliteWatch, local_key
 from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
+from outbox.store.statements import sql_list
 from outbox.store.tables import operations
 from outbox.store.writelock import held_by_caller
 
 #: ``Store._due_ids`` for SQLite, pinned to the partial due index.
-_DUE_SQL = """
+_DUE_SQL = f"""
 SELECT due.id FROM outbox_operations AS due INDEXED BY ix_outbox_operations_due
-WHERE due.state IN ('pending', 'in_flight') AND due.next_attempt_at <= :now_ms
+WHERE due.state IN ({sql_list(DUE_STATES)}) AND due.next_attempt_at <= :now_ms
   AND (due.ordering_key IS NULL OR NOT EXISTS (
         SELECT 1 FROM outbox_operations AS earlier
         WHERE earlier.tenant = due.tenant AND earlier.ordering_key = due.ordering_key
           AND earlier.id < due.id
-          AND earlier.state IN ('pending', 'in_flight', 'unresolved')))
+          AND earlier.state IN ({sql_list(BLOCKING_STATES)})))
 ORDER BY due.next_attempt_at
 LIMIT :limit
 """

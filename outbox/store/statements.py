@@ -11,19 +11,22 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from outbox.model import (
-    State,
-)
+from outbox.model import DUE_STATES, State, state_values
 from outbox.store.tables import attempts, operations
 
 
 def _states(*states: State) -> list[Any]:
     # Literal values, not bound parameters: SQLite uses a partial index only when it can
-    # see that the query's WHERE implies the index's.
-    return [literal_column(f"'{s.value}'") for s in states]
+    # see that the query's WHERE implies the index's. Declaration order, as the index.
+    return [literal_column(f"'{s.value}'") for s in State if s in states]
 
 
-DUE: ColumnElement[bool] = operations.c.state.in_(_states(State.PENDING, State.IN_FLIGHT))
+def sql_list(states: frozenset[State]) -> str:
+    """``'pending', 'in_flight'``: a state set as SQL text."""
+    return ", ".join(f"'{v}'" for v in state_values(states))
+
+
+DUE: ColumnElement[bool] = operations.c.state.in_(_states(*DUE_STATES))
 
 
 _OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}

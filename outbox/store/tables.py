@@ -26,6 +26,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
+from outbox.model import DUE_STATES, state_values
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -101,7 +103,7 @@ operations = Table(
 _due = Index(
     "ix_outbox_operations_due",
     operations.c.next_attempt_at,
-    sqlite_where=operations.c.state.in_(["pending", "in_flight"]),
+    sqlite_where=operations.c.state.in_(state_values(DUE_STATES)),
 )
 _ordering = Index(
     "ix_outbox_operations_ordering",
