@@ -125,4 +125,4 @@ def test_unreachable_server_is_one_line_exit_3(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     _refused(_migrate(f"postgresql://postgres@127.0.0.1:{port}/test", tmp_path),
-             "cannot read")  # fmt: skip
+             "cannot connect to the database")  # fmt: skip
