@@ -17,16 +17,15 @@ in :mod:`outbox.model`; settling an operation from the answer is an operator act
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from outbox.body import read_body
+from outbox.exchange import clean_message, exchange
 from outbox.model import LookupResult
-from outbox.transport import clean_message, request_headers
+from outbox.transport import request_headers
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
@@ -37,12 +36,6 @@ __all__ = ["lookup_status"]
 _MAX_LOOKUP_BODY = 1024 * 1024
 #: Characters of a lookup response body kept as evidence.
 _EVIDENCE_CHARS = 2000
-
-
-async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
-    """The decoded body, or None past ``limit`` (bounded however it is encoded)."""
-    body = await read_body(response, keep=limit, limit=limit)
-    return body.head if body.complete else None
 
 
 async def lookup_status(
@@ -76,26 +69,26 @@ async def lookup_status(
     def asked(result: LookupResult, **evidence: Any) -> LookupResult:
         return replace(result, method=lookup.method, path=path, request_id=request_id, **evidence)
 
-    response: httpx.Response | None = None
-    try:
-        async with asyncio.timeout(endpoint.timeout):
-            request = client.build_request(lookup.method, path, headers=headers)
-            response = await client.send(request, stream=True)
-            try:
-                body = await _read_capped(response, _MAX_LOOKUP_BODY)
-            finally:
-                await response.aclose()
-    except Exception as exc:
-        error = (
-            f"no answer within {endpoint.timeout}s"
-            if isinstance(exc, TimeoutError)
-            else clean_message(f"{type(exc).__name__}: {exc}")
-        )
+    ex = await exchange(
+        client,
+        lookup.method,
+        path,
+        headers=headers,
+        content=None,
+        deadline_seconds=endpoint.timeout,
+        keep=_MAX_LOOKUP_BODY,
+        limit=_MAX_LOOKUP_BODY,
+    )
+    if ex.error is not None:
+        error = f"no answer within {endpoint.timeout}s" if ex.timed_out else ex.error_text()
         return asked(
             LookupResult.unknown(f"the lookup failed ({error})"),
-            http_status=response.status_code if response is not None else None,
+            http_status=ex.status,
             error=error,
         )
+    assert ex.response is not None and ex.body is not None
+    response = ex.response
+    body = ex.body.head if ex.body.complete else None
     evidence = body[:_EVIDENCE_CHARS].decode("utf-8", errors="replace") if body else None
     if body is None:
         return asked(
@@ -103,11 +96,7 @@ async def lookup_status(
             http_status=response.status_code,
         )
     # The body is decoded already: the classifier's copy must not decode it again.
-    framing = ("content-encoding", "content-length", "transfer-encoding")
-    plain = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in framing]
-    read = httpx.Response(
-        response.status_code, headers=plain, content=body, request=response.request
-    )
+    read = ex.readable(body)
     try:
         classified = lookup.classify(read)
         if not isinstance(classified, LookupResult):
@@ -117,6 +106,3 @@ async def lookup_status(
         classified = LookupResult.unknown(f"the lookup classifier failed ({error})")
         return asked(classified, http_status=response.status_code, body=evidence, error=error)
     return asked(classified, http_status=response.status_code, body=evidence)
-
-
-# -- settling unresolved operations -------------------------------------------------------

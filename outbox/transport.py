@@ -8,10 +8,7 @@ so every doubt resolves to "unknown".
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
-import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -19,8 +16,7 @@ from typing import Any
 
 import httpx
 
-from outbox import sending
-from outbox.body import ACCEPT_ENCODING, Body, read_body
+from outbox.body import ACCEPT_ENCODING, Body
 from outbox.canonical import canonical_json_text
 from outbox.classify import (
     IN_PROGRESS_STATUS,
@@ -31,11 +27,11 @@ from outbox.classify import (
     is_key_mismatch,
 )
 from outbox.config import Endpoint
+from outbox.exchange import classify_exception, clean_message, exchange
 from outbox.model import Delivery, ErrorClass, Verdict
 from outbox.redact import Redactor, secrets_sent
 from outbox.store.records import StoredResult
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 #: Bytes of a non-success body kept in the attempt's error message.
 _MESSAGE_BYTES = 300
 
@@ -51,49 +47,6 @@ class AttemptResult:
     error_message: str | None
     duration_ms: int
     result: StoredResult | None
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
-
-
-def _connect_failed(exc: BaseException) -> bool:
-    """True only when the request provably never left: no connection was made."""
-    for cause in _causes(exc):
-        name = type(cause).__name__
-        module = type(cause).__module__
-        if module.startswith("aiohttp"):
-            # aiohttp's connection errors cover both "could not connect" and "server
-            # disconnected after the request was sent"; httpx-aiohttp maps both to one
-            # httpx class. Only the connector's own error proves nothing was sent.
-            return name in (
-                "ClientConnectorError",
-                "ClientConnectorDNSError",
-                "ClientConnectorCertificateError",
-                "ClientConnectorSSLError",
-            )
-    return isinstance(
-        exc,
-        httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | httpx.UnsupportedProtocol,
-    )
-
-
-def classify_exception(exc: BaseException) -> Classification:
-    if _connect_failed(exc):
-        return Classification(Verdict.RETRY, Delivery.NOT_SENT)
-    return Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True)
-
-
-def clean_message(text: str, limit: int = 500) -> str:
-    """An error message safe to store and log: no control characters, bounded."""
-    return _CONTROL.sub("?", text.replace("\n", " ").replace("\r", " "))[:limit]
 
 
 def _evidence_headers(
@@ -161,37 +114,11 @@ def _stored_result(
     )
 
 
-def _read_response(response: httpx.Response, body: bytes, limit: int) -> httpx.Response:
-    """A response whose (bounded) body is already read, for an endpoint's classifier."""
-    headers = [
-        (k, v)
-        for k, v in response.headers.multi_items()
-        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
-    ]
-    return httpx.Response(
-        response.status_code,
-        headers=headers,
-        content=body[:limit],
-        request=response.request,
-        extensions=response.extensions,
-    )
-
-
 def _classifier_failed(exc: BaseException) -> tuple[Classification, str, str]:
     return (
         Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True),
         ErrorClass.CLASSIFIER_FAILED.value,
         clean_message(f"the endpoint's classifier raised {type(exc).__name__}: {exc}"),
-    )
-
-
-def _stays_home(client: httpx.AsyncClient, request: httpx.Request, path: str) -> bool:
-    base = client.base_url
-    return (
-        path.startswith("/")
-        and not path.startswith("//")
-        and "\\" not in path
-        and (request.url.scheme, request.url.netloc) == (base.scheme, base.netloc)
     )
 
 
@@ -391,63 +318,57 @@ async def send_attempt(
     ones); every other value sent is redacted wherever the receiver echoes it, and so
     is every header named in ``secret_headers``.
     """
-    started = time.monotonic()
-    response: httpx.Response | None = None
-    try:
-        async with asyncio.timeout(endpoint.timeout):
-            request = sending.build_request(client, method, path, headers=headers, content=body)
-            if not _stays_home(client, request, path):
-                # A stored path is relative to the registered base URL, always: a tampered
-                # row must not aim the dispatcher, and the endpoint's credentials, elsewhere.
-                return AttemptResult(
-                    classification=Classification(Verdict.FAILED, Delivery.NOT_SENT),
-                    status_code=None,
-                    receiver_request_id=None,
-                    error_class=ErrorClass.UNSAFE_PATH.value,
-                    error_message="not sent: the stored path leaves the endpoint's base URL",
-                    duration_ms=0,
-                    result=None,
-                )
-            response = await sending.send(client, request)
-            try:
-                received = await read_body(
-                    response,
-                    keep=min(max(endpoint.result_body_limit, _MESSAGE_BYTES), endpoint.read_limit),
-                    limit=endpoint.read_limit,
-                )
-            finally:
-                await response.aclose()
-    except Exception as exc:
-        timed_out = isinstance(exc, TimeoutError)
-        error_class = (
-            ErrorClass.ATTEMPT_DEADLINE_EXCEEDED.value if timed_out else type(exc).__name__
+    ex = await exchange(
+        client,
+        method,
+        path,
+        headers=headers,
+        content=body,
+        deadline_seconds=endpoint.timeout,
+        keep=min(max(endpoint.result_body_limit, _MESSAGE_BYTES), endpoint.read_limit),
+        limit=endpoint.read_limit,
+        home_only=True,
+    )
+    if ex.refused:
+        return AttemptResult(
+            classification=Classification(Verdict.FAILED, Delivery.NOT_SENT),
+            status_code=None,
+            receiver_request_id=None,
+            error_class=ex.error_class,
+            error_message="not sent: the stored path leaves the endpoint's base URL",
+            duration_ms=0,
+            result=None,
         )
+    if ex.error is not None:
+        exc = ex.error
+        error_class = ex.error_class
         error_message = (
             f"no complete response within the attempt deadline of {endpoint.timeout}s"
-            if timed_out
+            if ex.timed_out
             else clean_message(str(exc) or repr(exc))
         )
         try:
             override = endpoint.classify(exc) if endpoint.classify else None
         except Exception as failure:
             classification, error_class, error_message = _classifier_failed(failure)
+            classification = ex.error_classification(classification)
         else:
-            classification = override or classify_exception(exc)
-        if timed_out and response is not None:
-            classification = Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True)
+            classification = ex.error_classification(override)
         return AttemptResult(
             classification=classification,
-            status_code=response.status_code if response is not None else None,
+            status_code=ex.status,
             receiver_request_id=None,
             error_class=error_class,
             error_message=error_message,
-            duration_ms=int((time.monotonic() - started) * 1000),
+            duration_ms=ex.elapsed_ms,
             result=None,
         )
+    assert ex.request is not None and ex.response is not None and ex.body is not None
+    response, received = ex.response, ex.body
     # A receiver may echo request headers: never keep the credentials it echoes.
     redactor = Redactor(
         secrets_sent(
-            response.request.headers.multi_items(),
+            ex.request.headers.multi_items(),
             public=[*public_headers, endpoint.idempotency_header, endpoint.request_id_header,
                     *([endpoint.tenant_header] if endpoint.tenant_header else [])],
             secret_names=secret_headers,
@@ -462,7 +383,7 @@ async def send_attempt(
     failed_message: str | None = None
     try:
         override = (
-            endpoint.classify(_read_response(response, raw, endpoint.result_body_limit))
+            endpoint.classify(ex.readable(raw[: endpoint.result_body_limit]))
             if endpoint.classify
             else None
         )
@@ -484,7 +405,7 @@ async def send_attempt(
         ),
         error_class=failed_class,
         error_message=failed_message,
-        duration_ms=int((time.monotonic() - started) * 1000),
+        duration_ms=ex.elapsed_ms,
         result=_stored_result(endpoint, response, received, kept, redactor) if keep else None,
     )
 
@@ -499,6 +420,7 @@ __all__ = [
     "build_client",
     "classify_exception",
     "classify_response",
+    "clean_message",
     "is_key_mismatch",
     "request_headers",
     "send_attempt",

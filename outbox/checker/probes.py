@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -10,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from outbox.body import read_body
 from outbox.canonical import canonical_json_text
+from outbox.exchange import clean_message, exchange
 from outbox.lookup import lookup_status
 from outbox.model import LookupResult, Verdict
-from outbox.transport import classify_response, clean_message, request_headers
+from outbox.transport import classify_response, request_headers
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
@@ -102,30 +101,29 @@ class Prober:
         except Exception as exc:  # a tenant_auth that does not know a probe tenant
             error = clean_message(f"could not build the request: {type(exc).__name__}: {exc}")
             return Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
-        response: httpx.Response | None = None
-        try:
-            async with asyncio.timeout(self.endpoint.timeout):
-                request = self.client.build_request(
-                    self.method, self.path, headers=headers, content=body
-                )
-                response = await self.client.send(request, stream=True)
-                try:
-                    read = await read_body(response, keep=_MAX_BODY, limit=_MAX_BODY)
-                finally:
-                    await response.aclose()
-        except Exception as exc:
+        ex = await exchange(
+            self.client,
+            self.method,
+            self.path,
+            headers=headers,
+            content=body,
+            deadline_seconds=self.endpoint.timeout,
+            keep=_MAX_BODY,
+            limit=_MAX_BODY,
+        )
+        if ex.error is not None or ex.body is None:
             error = (
                 f"no complete response within {self.endpoint.timeout}s"
-                if isinstance(exc, TimeoutError)
-                else clean_message(f"{type(exc).__name__}: {exc}")
+                if ex.timed_out
+                else ex.error_text()
             )
             return Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
         return Probe(
             key,
             request_id,
-            response.status_code,
-            read.head,
-            response.headers,
+            ex.status,
+            ex.body.head,
+            ex.headers,
             None,
             self.endpoint.request_id_header,
         )

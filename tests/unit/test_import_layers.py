@@ -88,7 +88,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("store", ("outbox.store",)),
-    ("transport", ("outbox.transport",)),
+    ("transport", ("outbox.exchange", "outbox.transport")),
     ("lookup", ("outbox.lookup",)),
     (
         "reconcile: reports and actions",
