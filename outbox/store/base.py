@@ -7,20 +7,18 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, Engine, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, func, insert, select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox.canonical import CanonicalArgs
 from outbox.errors import NotStoredError, StoreError
 from outbox.model import (
-    BLOCKING_STATES,
     Attempt,
     Delivery,
     ErrorClass,
     Operation,
     PolicySnapshot,
     State,
-    state_values,
 )
 from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
@@ -37,7 +35,13 @@ from outbox.store.rows import (
     operation_from_row,
     operation_row,
 )
-from outbox.store.statements import _ATTEMPT_OUTCOME, DUE, _outcome_update, _states
+from outbox.store.statements import (
+    _ATTEMPT_OUTCOME,
+    DUE,
+    _outcome_update,
+    blocks,
+    claimable_ids,
+)
 from outbox.store.tables import attempts, operations
 
 
@@ -210,12 +214,7 @@ class Store(OperatorQueries):
         with self.read() as conn:
             return conn.execute(
                 select(operations.c.operation_id)
-                .where(
-                    operations.c.tenant == op.tenant,
-                    operations.c.ordering_key == op.ordering_key,
-                    operations.c.id < op.pk,
-                    operations.c.state.in_(state_values(BLOCKING_STATES)),
-                )
+                .where(blocks(operations, tenant=op.tenant, ordering_key=op.ordering_key, pk=op.pk))
                 .order_by(operations.c.id)
                 .limit(1)
             ).scalar()
@@ -225,20 +224,7 @@ class Store(OperatorQueries):
 
     def _due_ids(self, now_ms: int, limit: int) -> Any:
         """SELECT of the ids a claim may take, oldest due first."""
-        earlier = operations.alias("earlier")
-        blocked = exists().where(
-            earlier.c.tenant == operations.c.tenant,
-            earlier.c.ordering_key == operations.c.ordering_key,
-            earlier.c.id < operations.c.id,
-            earlier.c.state.in_(_states(*BLOCKING_STATES)),
-        )
-        return (
-            select(operations.c.id)
-            .where(DUE, operations.c.next_attempt_at <= now_ms)
-            .where(or_(operations.c.ordering_key.is_(None), ~blocked))
-            .order_by(operations.c.next_attempt_at)
-            .limit(limit)
-        )
+        return claimable_ids(now_ms, limit)
 
     def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
         raise NotImplementedError

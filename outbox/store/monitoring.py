@@ -13,12 +13,12 @@ from typing import Any
 
 from sqlalchemy import and_, case, delete, func, insert, literal, select, update
 
-from outbox.model import DUE_STATES, LIVE_STATES, State, state_values
+from outbox.model import LIVE_STATES, State, state_values
 from outbox.store.base import Store
+from outbox.store.statements import due_at
 from outbox.store.tables import attempts, dispatchers, operations
 
 _LIVE = state_values(LIVE_STATES)
-_DUE = state_values(DUE_STATES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ def backlog(store: Store, *, now_ms: int, near_expiry_before_ms: Mapping[str, in
     unsendable = and_(
         operations.c.state == State.PENDING.value, operations.c.last_error.is_not(None)
     )
-    due_now = and_(operations.c.state.in_(_DUE), operations.c.next_attempt_at <= now_ms)
+    due_now = due_at(now_ms)
     if near_expiry_before_ms:
         cutoff: Any = case(
             {name: literal(ms) for name, ms in near_expiry_before_ms.items()},

@@ -10,31 +10,42 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sqlalchemy import Engine, text, update
+from sqlalchemy import Engine, bindparam, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.dialects.sqlite.base import SQLiteCompiler, SQLiteDialect
 
 from outbox.errors import StoreError
-from outbox.model import BLOCKING_STATES, DUE_STATES
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, SqliteWatch, local_key
 from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
-from outbox.store.statements import sql_list
+from outbox.store.statements import claimable_ids
 from outbox.store.tables import operations
 from outbox.store.writelock import held_by_caller
 
-#: ``Store._due_ids`` for SQLite, pinned to the partial due index.
-_DUE_SQL = f"""
-SELECT due.id FROM outbox_operations AS due INDEXED BY ix_outbox_operations_due
-WHERE due.state IN ({sql_list(DUE_STATES)}) AND due.next_attempt_at <= :now_ms
-  AND (due.ordering_key IS NULL OR NOT EXISTS (
-        SELECT 1 FROM outbox_operations AS earlier
-        WHERE earlier.tenant = due.tenant AND earlier.ordering_key = due.ordering_key
-          AND earlier.id < due.id
-          AND earlier.state IN ({sql_list(BLOCKING_STATES)})))
-ORDER BY due.next_attempt_at
-LIMIT :limit
-"""
+
+class _HintingCompiler(SQLiteCompiler):
+    """SQLite's compiler, rendering a table hint (SQLAlchemy's own drops them) and a
+    bare ``LIMIT`` (SQLAlchemy's adds ``OFFSET`` with a parameter of its own)."""
+
+    def get_from_hint_text(self, table: Any, text: str | None) -> str | None:
+        return text
+
+    def limit_clause(self, select: Any, **kw: Any) -> str:
+        assert select._offset_clause is None
+        return "\n LIMIT " + self.process(select._limit_clause, **kw)
+
+
+def claim_sql() -> str:
+    """:func:`~outbox.store.statements.claimable_ids` as SQLite text, pinned to the
+    partial due index (``INDEXED BY``), with ``:now_ms`` and ``:limit`` parameters."""
+    select_ids = claimable_ids(bindparam("now_ms"), bindparam("limit")).with_hint(
+        operations, "INDEXED BY ix_outbox_operations_due", "sqlite"
+    )
+    return str(_HintingCompiler(SQLiteDialect(paramstyle="named"), select_ids))
+
+
+_DUE_SQL = claim_sql()
 
 
 class SqliteStore(Store):

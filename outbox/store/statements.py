@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    Select,
+    and_,
     bindparam,
+    exists,
     literal_column,
+    or_,
+    select,
     update,
 )
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import FromClause
 
-from outbox.model import DUE_STATES, State, state_values
+from outbox.model import BLOCKING_STATES, DUE_STATES, State, state_values
 from outbox.store.tables import attempts, operations
 
 
@@ -26,7 +32,49 @@ def sql_list(states: frozenset[State]) -> str:
     return ", ".join(f"'{v}'" for v in state_values(states))
 
 
+#: In a state a claim may take (pending, or in flight with a lease that will expire).
 DUE: ColumnElement[bool] = operations.c.state.in_(_states(*DUE_STATES))
+
+
+def due_at(now_ms: Any) -> ColumnElement[bool]:
+    """Due at ``now_ms``: in a due state, and its ``next_attempt_at`` has come (for an
+    in-flight row that is the lease's end, so an expired lease comes due by itself)."""
+    return and_(DUE, operations.c.next_attempt_at <= now_ms)
+
+
+def blocks(earlier: FromClause, *, tenant: Any, ordering_key: Any, pk: Any) -> ColumnElement[bool]:
+    """``earlier`` (a row of the operations table) holds back the operation with this
+    tenant, ordering key and primary key: an earlier operation of the same (tenant,
+    ordering key) that is still pending, in flight or unresolved. The arguments are
+    columns (in a claim) or values (asking about one operation)."""
+    return and_(
+        earlier.c.tenant == tenant,
+        earlier.c.ordering_key == ordering_key,
+        earlier.c.id < pk,
+        earlier.c.state.in_(_states(*BLOCKING_STATES)),
+    )
+
+
+def claimable_ids(now_ms: Any, limit: Any) -> Select[Any]:
+    """The ids a claim may take, oldest due first: due, and not held back by an earlier
+    operation of its ordering key. The one definition: PostgreSQL's claim selects it,
+    SQLite's claim is this compiled once to text (``store.sqlite``)."""
+    earlier = operations.alias("earlier")
+    blocked = exists().where(
+        blocks(
+            earlier,
+            tenant=operations.c.tenant,
+            ordering_key=operations.c.ordering_key,
+            pk=operations.c.id,
+        )
+    )
+    return (
+        select(operations.c.id)
+        .where(due_at(now_ms))
+        .where(or_(operations.c.ordering_key.is_(None), ~blocked))
+        .order_by(operations.c.next_attempt_at)
+        .limit(limit)
+    )
 
 
 _OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}
