@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -132,8 +134,48 @@ def reconcile_show(obj: Context, operation_id: str, tenant: str, as_json: bool) 
     _show(obj, operation_id, tenant, as_json)
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a command with :func:`bulk_options` acts on: one operation, or (``selection``
+    set) every match of the filters."""
+
+    operation_id: str | None
+    tenant: str | None
+    selection: Selection | None
+    dry_run: bool
+    yes: bool
+
+
 def bulk_options(fn: Any) -> Any:
-    """One operation ID, or --all with filters; --dry-run and --yes."""
+    """One operation ID, or --all with filters; --dry-run and --yes. The command gets
+    them as one ``target`` (:class:`Target`), checked: bulk-only flags are refused with
+    one operation."""
+
+    @functools.wraps(fn)
+    def gathered(
+        *args: Any,
+        operation_id: str | None,
+        every: bool,
+        tenant: str | None,
+        endpoint: str | None,
+        reason: str | None,
+        older_than: timedelta | None,
+        newer_than: timedelta | None,
+        dry_run: bool,
+        yes: bool,
+        **kwargs: Any,
+    ) -> Any:
+        filters = {
+            "endpoint": endpoint,
+            "reason": reason,
+            "older_than": older_than,
+            "newer_than": newer_than,
+        }
+        flags = {"dry_run": dry_run, "yes": yes}
+        selection = _selection(operation_id, every, tenant, filters, flags)
+        target = Target(operation_id, tenant, selection, dry_run, yes)
+        return fn(*args, target=target, **kwargs)
+
     for option in reversed(
         (
             click.argument("operation_id", required=False),
@@ -150,8 +192,8 @@ def bulk_options(fn: Any) -> Any:
             click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation."),
         )
     ):
-        fn = option(fn)
-    return fn
+        gathered = option(gathered)
+    return gathered
 
 
 def _selection(
@@ -174,20 +216,13 @@ def _selection(
     return Selection(tenant=tenant, **filters)
 
 
-def _run_bulk(
-    obj: Context,
-    action: str,
-    selection: Selection,
-    *,
-    dry_run: bool,
-    yes: bool,
-    as_json: bool,
-    **kwargs: Any,
-) -> None:
+def _run_bulk(obj: Context, action: str, target: Target, *, as_json: bool, **kwargs: Any) -> None:
     """Dry run (always first), confirmation on a terminal, then the run with a progress
     bar, and the summary. Exit 1 if anything was refused or changed by someone else."""
     from outbox.bulk import bulk, select
 
+    selection, dry_run, yes = target.selection, target.dry_run, target.yes
+    assert selection is not None
     rec = _reconciler(obj)
     ops = select(rec, action, selection)
     plan = bulk(rec, action, selection, dry_run=True, selected=ops, **kwargs)
@@ -265,38 +300,19 @@ def _one_done(op: Any, as_json: bool, message: str) -> None:
 @click.option("--operator", default=None, help="Your name (default: the OS user).")
 @json_option
 def reconcile_resolve(
-    obj: Context,
-    operation_id: str | None,
-    every: bool,
-    tenant: str | None,
-    endpoint: str | None,
-    reason: str | None,
-    older_than: timedelta | None,
-    newer_than: timedelta | None,
-    dry_run: bool,
-    yes: bool,
-    outcome: str,
-    note: str,
-    operator: str | None,
-    as_json: bool,
+    obj: Context, target: Target, outcome: str, note: str, operator: str | None, as_json: bool
 ) -> None:
     """Settle an unresolved operation (or, with --all, every match) as succeeded or failed."""
-    filters = {
-        "endpoint": endpoint,
-        "reason": reason,
-        "older_than": older_than,
-        "newer_than": newer_than,
-    }
-    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
-    if selection is not None:
-        _run_bulk(obj, "resolve", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+    if target.selection is not None:
+        _run_bulk(obj, "resolve", target, as_json=as_json,
                   outcome=outcome, note=note, operator=operator)  # fmt: skip
         return
-    assert operation_id is not None
+    assert target.operation_id is not None
     op = _reconciler(obj).resolve(
-        operation_id, tenant=tenant or "", outcome=outcome, note=note, operator=operator
-    )
-    _one_done(op, as_json, f"resolved {operation_id} as {op.state.value}")
+        target.operation_id, tenant=target.tenant or "", outcome=outcome, note=note,
+        operator=operator,
+    )  # fmt: skip
+    _one_done(op, as_json, f"resolved {target.operation_id} as {op.state.value}")
 
 
 @command(reconcile, "requeue")
@@ -315,15 +331,7 @@ def reconcile_resolve(
 @json_option
 def reconcile_requeue(
     obj: Context,
-    operation_id: str | None,
-    every: bool,
-    tenant: str | None,
-    endpoint: str | None,
-    reason: str | None,
-    older_than: timedelta | None,
-    newer_than: timedelta | None,
-    dry_run: bool,
-    yes: bool,
+    target: Target,
     note: str,
     operator: str | None,
     accept_duplicate_risk: bool,
@@ -334,27 +342,19 @@ def reconcile_requeue(
     Decided from the database alone (the policy stored with each operation): no --app
     needed; the dispatcher that sends it needs the application.
     """
-    filters = {
-        "endpoint": endpoint,
-        "reason": reason,
-        "older_than": older_than,
-        "newer_than": newer_than,
-    }
-    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
-    if selection is not None:
-        _run_bulk(obj, "requeue", selection, dry_run=dry_run, yes=yes, as_json=as_json,
-                  note=note, operator=operator,
+    if target.selection is not None:
+        _run_bulk(obj, "requeue", target, as_json=as_json, note=note, operator=operator,
                   accept_duplicate_risk=accept_duplicate_risk)  # fmt: skip
         return
-    assert operation_id is not None
+    assert target.operation_id is not None
     op = _reconciler(obj).requeue(
-        operation_id,
-        tenant=tenant or "",
+        target.operation_id,
+        tenant=target.tenant or "",
         note=note,
         operator=operator,
         accept_duplicate_risk=accept_duplicate_risk,
     )
-    _one_done(op, as_json, f"requeued {operation_id}: pending, same operation ID")
+    _one_done(op, as_json, f"requeued {target.operation_id}: pending, same operation ID")
 
 
 @command(main)
@@ -389,7 +389,8 @@ def cancel(
     filters = {"endpoint": endpoint, "older_than": older_than, "newer_than": newer_than}
     selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
     if selection is not None:
-        _run_bulk(obj, "cancel", selection, dry_run=dry_run, yes=yes, as_json=as_json,
+        target = Target(operation_id, tenant, selection, dry_run, yes)
+        _run_bulk(obj, "cancel", target, as_json=as_json,
                   note=note, operator=operator)  # fmt: skip
         return
     assert operation_id is not None
