@@ -64,41 +64,15 @@ class EnqueueHost(Protocol):
     @property
     def store(self) -> Store: ...
 
-    def enqueue(
-        self,
-        *,
-        endpoint: str,
-        method: str,
-        path: str,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        operation_id: str | None = None,
-        tenant: str = "",
-        ordering_key: str | None = None,
-        connection: Any = None,
-    ) -> Operation: ...
+    # The enqueue methods as outbox.client.Outbox spells them; only their results are
+    # restated here, so their parameter lists are written once, on the Outbox.
+    def enqueue(self, *args: Any, **kwargs: Any) -> Operation: ...
 
-    def enqueue_many(
-        self, intents: Sequence[Intent], *, connection: Any = None
-    ) -> list[Operation]: ...
+    def enqueue_many(self, *args: Any, **kwargs: Any) -> list[Operation]: ...
 
-    async def enqueue_async(
-        self,
-        *,
-        endpoint: str,
-        method: str,
-        path: str,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        operation_id: str | None = None,
-        tenant: str = "",
-        ordering_key: str | None = None,
-        connection: Any = None,
-    ) -> Operation: ...
+    async def enqueue_async(self, *args: Any, **kwargs: Any) -> Operation: ...
 
-    async def enqueue_many_async(
-        self, intents: Sequence[Intent], *, connection: Any = None
-    ) -> list[Operation]: ...
+    async def enqueue_many_async(self, *args: Any, **kwargs: Any) -> list[Operation]: ...
 
     def get(self, operation_id: str, *, tenant: str = "") -> Operation: ...
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from outbox.canonical import canonical_json, check_tenant
 from outbox.checker.probes import (
@@ -32,6 +34,9 @@ from outbox.transport import build_client
 if TYPE_CHECKING:
     from outbox.client import Outbox
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class UnsafeProbeRefused(ConfigurationError):
     """The endpoint is not marked ``probe_safe`` and ``allow_unsafe`` was not given."""
@@ -51,7 +56,18 @@ async def check_receiver_async(
     strict: bool = False,
     probe_tenants: tuple[str, str] = PROBE_TENANTS,
 ) -> CheckReport:
-    """:func:`check_receiver` for callers already inside an event loop."""
+    """Probe ``endpoint``'s receiver and report one verdict per idempotency property.
+
+    Sends about ``concurrency + 7`` requests with fresh ``outbox-probe-`` keys (and a
+    few status lookups when the endpoint has a ``status_lookup``); takes at least
+    ``retention_delay`` seconds. Nothing is written to the outbox's database. Raises
+    :class:`UnsafeProbeRefused`, before sending anything, for an endpoint not marked
+    ``probe_safe`` unless ``allow_unsafe``; :class:`ConfigurationError` for an unknown
+    endpoint; :class:`ValidationError` for a bad path, method or body.
+
+    ``check_receiver`` (same parameters) runs it in an event loop of its own;
+    ``check_receiver_async`` is for callers already inside one.
+    """
     ep = outbox.endpoints.get(endpoint)
     if ep is None:
         raise ConfigurationError(
@@ -155,41 +171,16 @@ async def check_receiver_async(
     )
 
 
-def check_receiver(
-    outbox: Outbox,
-    *,
-    endpoint: str,
-    path: str,
-    json_body: Any,
-    method: str = "POST",
-    tenant: str = "",
-    retention_delay: float = 2.0,
-    concurrency: int = 8,
-    allow_unsafe: bool = False,
-    strict: bool = False,
-    probe_tenants: tuple[str, str] = PROBE_TENANTS,
-) -> CheckReport:
-    """Probe ``endpoint``'s receiver and report one verdict per idempotency property.
+def _blocking(fn: Callable[P, Coroutine[Any, Any, R]], name: str) -> Callable[P, R]:
+    """``fn`` run to completion in an event loop of its own: same parameters, same
+    documentation, its own name."""
 
-    Sends about ``concurrency + 7`` requests with fresh ``outbox-probe-`` keys (and a
-    few status lookups when the endpoint has a ``status_lookup``); takes at least
-    ``retention_delay`` seconds. Nothing is written to the outbox's database. Raises
-    :class:`UnsafeProbeRefused`, before sending anything, for an endpoint not marked
-    ``probe_safe`` unless ``allow_unsafe``; :class:`ConfigurationError` for an unknown
-    endpoint; :class:`ValidationError` for a bad path, method or body.
-    """
-    return asyncio.run(
-        check_receiver_async(
-            outbox,
-            endpoint=endpoint,
-            path=path,
-            json_body=json_body,
-            method=method,
-            tenant=tenant,
-            retention_delay=retention_delay,
-            concurrency=concurrency,
-            allow_unsafe=allow_unsafe,
-            strict=strict,
-            probe_tenants=probe_tenants,
-        )
-    )
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        return asyncio.run(fn(*args, **kwargs))
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+check_receiver = _blocking(check_receiver_async, "check_receiver")
