@@ -48,13 +48,18 @@ class RunningDispatcher(Protocol):
 
 
 class Instrumentation(Protocol):
-    """What the dispatcher reports. Hooks must be cheap and must never raise."""
+    """What the dispatcher reports. Hooks must be cheap and must never raise.
+
+    Every hook does nothing here: an instrumentation that subclasses this one
+    implements only the hooks it needs."""
 
     def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
         """The dispatcher's loop runs (called inside it)."""
+        return None
 
     def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
         """The dispatcher drained and stopped (called inside its loop)."""
+        return None
 
     def claimed(
         self, claimed: Sequence[Claimed], recovered: Sequence[Recovered], started_ns: int
@@ -62,15 +67,18 @@ class Instrumentation(Protocol):
         """A claim took operations (``recovered``: attempts closed by lease expiry).
         ``started_ns`` is when the claim began (``time.time_ns()``). Returns a batch
         handle passed back to :meth:`attempts_begun` and :meth:`attempt_started`."""
+        return None
 
     def settled(
         self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
     ) -> None:
         """A claimed operation was settled without sending (window closed); ``not_sent``:
         a not-sent attempt was recorded with it as evidence (an unsendable operation)."""
+        return None
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
         """The batch's attempt rows committed; the batch's own work is done."""
+        return None
 
     def attempt_started(
         self,
@@ -81,57 +89,23 @@ class Instrumentation(Protocol):
         headers: dict[str, str],
     ) -> Any:
         """A request is about to be sent; may add headers (``traceparent``)."""
+        return None
 
     def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
         """The request came back (or failed): ``attempt`` is what attempt_started gave."""
+        return None
 
     def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
         """An attempt's outcome was written (``applied``) or fenced off (not)."""
+        return None
 
     def status_lookup(self, endpoint: str, answer: str) -> None:
         """The receiver answered a status lookup for an unresolved operation."""
+        return None
 
 
-class NoInstrumentation:
+class NoInstrumentation(Instrumentation):
     """Every hook does nothing."""
-
-    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
-        pass
-
-    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
-        pass
-
-    def claimed(
-        self, claimed: Sequence[Claimed], recovered: Sequence[Recovered], started_ns: int
-    ) -> Any:
-        return None
-
-    def settled(
-        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
-    ) -> None:
-        pass
-
-    def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
-        pass
-
-    def attempt_started(
-        self,
-        batch: Any,
-        claimed: Claimed,
-        endpoint: Endpoint,
-        started: StartedAttempt,
-        headers: dict[str, str],
-    ) -> Any:
-        return None
-
-    def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
-        pass
-
-    def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
-        pass
-
-    def status_lookup(self, endpoint: str, answer: str) -> None:
-        pass
 
 
 NOTHING: Instrumentation = NoInstrumentation()

@@ -25,13 +25,12 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from outbox.observe import Instrumentation
 from outbox.version import __version__
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
-    from outbox.model import Reason, State
-    from outbox.observe import RunningDispatcher
-    from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
+    from outbox.store.records import Claimed, Recovered, StartedAttempt
     from outbox.transport import AttemptResult
 
 #: W3C Trace Context only, whatever the application's global propagators: the column
@@ -63,17 +62,11 @@ def _link(traceparent: str | None) -> list[Link]:
     return [Link(ctx)] if ctx.is_valid else []
 
 
-class Tracing:
+class Tracing(Instrumentation):
     """The dispatcher's instrumentation that makes spans (see the module docstring)."""
 
     def __init__(self, provider: trace.TracerProvider) -> None:
         self.tracer = provider.get_tracer("outbox", __version__)
-
-    def dispatcher_started(self, dispatcher: RunningDispatcher) -> None:
-        pass
-
-    def dispatcher_stopped(self, dispatcher: RunningDispatcher) -> None:
-        pass
 
     def claimed(
         self, claimed: Sequence[Claimed], recovered: Sequence[Recovered], started_ns: int
@@ -89,11 +82,6 @@ class Tracing:
                 "outbox.lease_expirations": len(recovered),
             },
         )
-
-    def settled(
-        self, pk: int, state: State, reason: Reason | None, now_ms: int, *, not_sent: bool
-    ) -> None:
-        pass
 
     def attempts_begun(self, batch: Any, started: Sequence[StartedAttempt], now_ms: int) -> None:
         if batch is not None:
@@ -165,9 +153,3 @@ class Tracing:
             span.set_attribute("error.type", result.error_class or str(result.status_code))
             span.set_status(Status(StatusCode.ERROR, result.error_class))
         span.end()
-
-    def outcome(self, out: AttemptOutcome, *, applied: bool, now_ms: int) -> None:
-        pass
-
-    def status_lookup(self, endpoint: str, answer: str) -> None:
-        pass
