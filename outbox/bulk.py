@@ -130,15 +130,15 @@ def select(rec: Reconciler, action: str, selection: Selection) -> list[Operation
     state, _ = _ACTIONS[action]
     if selection.reason is not None and state is not State.UNRESOLVED:
         raise ValidationError(f"--reason selects unresolved operations; {action} takes pending")
-    return rec.store.list_operations(
-        states=[state],
+    where = rec.operation_filter(
+        state,
         tenant=selection.tenant,
         endpoint=selection.endpoint,
-        reason=Reason(selection.reason) if selection.reason is not None else None,
-        older_than_ms=rec.cutoff_ms(selection.older_than),
-        newer_than_ms=rec.cutoff_ms(selection.newer_than),
-        limit=None,
+        reason=selection.reason,
+        older_than=selection.older_than,
+        newer_than=selection.newer_than,
     )
+    return rec.store.list_operations(where, limit=None)
 
 
 def bulk(

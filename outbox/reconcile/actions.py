@@ -32,6 +32,7 @@ from outbox.model import (
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
 from outbox.safetext import check_printable
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, watch
+from outbox.store.operator import OperationFilter
 
 if TYPE_CHECKING:
     from outbox.parts import OutboxParts
@@ -102,6 +103,26 @@ class OperatorActions:
             raise ValidationError("a duration filter must not be negative")
         return self.outbox.clock.now_ms() - int(age.total_seconds() * 1000)
 
+    def operation_filter(
+        self,
+        state: State,
+        *,
+        tenant: str | None = None,
+        endpoint: str | None = None,
+        reason: Reason | str | None = None,
+        older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
+    ) -> OperationFilter:
+        """The store's filter for operations in ``state`` (ages measured from now)."""
+        return OperationFilter(
+            states=[state],
+            tenant=tenant,
+            endpoint=endpoint,
+            reason=Reason(reason) if reason is not None else None,
+            older_than_ms=self.cutoff_ms(older_than),
+            newer_than_ms=self.cutoff_ms(newer_than),
+        )
+
     def unresolved(
         self,
         *,
@@ -117,16 +138,11 @@ class OperatorActions:
         ``newer_than`` are ages of the last change (how long it has been unresolved)."""
         if limit < 1 or offset < 0:
             raise ValidationError("limit must be >= 1 and offset >= 0")
-        return self.store.list_operations(
-            states=[State.UNRESOLVED],
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=Reason(reason) if reason is not None else None,
-            older_than_ms=self.cutoff_ms(older_than),
-            newer_than_ms=self.cutoff_ms(newer_than),
-            limit=limit,
-            offset=offset,
-        )
+        where = self.operation_filter(
+            State.UNRESOLVED, tenant=tenant, endpoint=endpoint, reason=reason,
+            older_than=older_than, newer_than=newer_than,
+        )  # fmt: skip
+        return self.store.list_operations(where, limit=limit, offset=offset)
 
     def count(
         self,
@@ -137,15 +153,12 @@ class OperatorActions:
         older_than: timedelta | None = None,
         newer_than: timedelta | None = None,
     ) -> int:
-        """How many unresolved operations match (what :meth:`list` pages through)."""
-        return self.store.count_operations(
-            states=[State.UNRESOLVED],
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=Reason(reason) if reason is not None else None,
-            older_than_ms=self.cutoff_ms(older_than),
-            newer_than_ms=self.cutoff_ms(newer_than),
-        )
+        """How many unresolved operations match (what :meth:`unresolved` pages through)."""
+        where = self.operation_filter(
+            State.UNRESOLVED, tenant=tenant, endpoint=endpoint, reason=reason,
+            older_than=older_than, newer_than=newer_than,
+        )  # fmt: skip
+        return self.store.count_operations(where)
 
     def show(self, operation_id: str, *, tenant: str = "") -> OperationReport:
         op = self._load(operation_id, tenant)

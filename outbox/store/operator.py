@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -34,6 +35,34 @@ from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row, p
 from outbox.store.tables import attempts, audit, operations
 
 
+@dataclass(frozen=True, slots=True)
+class OperationFilter:
+    """Which operations an operator query takes: those in ``states`` that match every
+    filter given. ``older_than_ms``/``newer_than_ms`` bound ``updated_at``."""
+
+    states: Sequence[State]
+    tenant: str | None = None
+    endpoint: str | None = None
+    reason: Reason | None = None
+    older_than_ms: int | None = None
+    newer_than_ms: int | None = None
+
+    def apply(self, query: Any) -> Any:
+        """``query`` (a SELECT from the operations table) narrowed to this filter."""
+        query = query.where(operations.c.state.in_([s.value for s in self.states]))
+        if self.tenant is not None:
+            query = query.where(operations.c.tenant == self.tenant)
+        if self.endpoint is not None:
+            query = query.where(operations.c.endpoint == self.endpoint)
+        if self.reason is not None:
+            query = query.where(operations.c.reason == self.reason.value)
+        if self.older_than_ms is not None:
+            query = query.where(operations.c.updated_at <= self.older_than_ms)
+        if self.newer_than_ms is not None:
+            query = query.where(operations.c.updated_at >= self.newer_than_ms)
+        return query
+
+
 class OperatorQueries(ChangeSignals):
     """Operator and monitoring queries; :class:`~outbox.store.base.Store` mixes them in."""
 
@@ -48,78 +77,19 @@ class OperatorQueries(ChangeSignals):
 
     # -- operators ----------------------------------------------------------------
 
-    def _select_operations(
-        self,
-        query: Any,
-        *,
-        states: Sequence[State],
-        tenant: str | None,
-        endpoint: str | None,
-        reason: Reason | None,
-        older_than_ms: int | None,
-        newer_than_ms: int | None,
-    ) -> Any:
-        query = query.where(operations.c.state.in_([s.value for s in states]))
-        if tenant is not None:
-            query = query.where(operations.c.tenant == tenant)
-        if endpoint is not None:
-            query = query.where(operations.c.endpoint == endpoint)
-        if reason is not None:
-            query = query.where(operations.c.reason == reason.value)
-        if older_than_ms is not None:
-            query = query.where(operations.c.updated_at <= older_than_ms)
-        if newer_than_ms is not None:
-            query = query.where(operations.c.updated_at >= newer_than_ms)
-        return query
-
     def list_operations(
-        self,
-        *,
-        states: Sequence[State],
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | None = None,
-        older_than_ms: int | None = None,
-        newer_than_ms: int | None = None,
-        limit: int | None = 50,
-        offset: int = 0,
+        self, where: OperationFilter, *, limit: int | None = 50, offset: int = 0
     ) -> list[Operation]:
-        """Operations in ``states`` matching the filters, oldest change first (no
-        attempts). ``older_than_ms``/``newer_than_ms`` bound ``updated_at``;
+        """Operations ``where`` takes, oldest change first (no attempts);
         ``limit=None`` returns every match."""
-        query = self._select_operations(
-            select(operations),
-            states=states,
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=reason,
-            older_than_ms=older_than_ms,
-            newer_than_ms=newer_than_ms,
-        )
+        query = where.apply(select(operations))
         query = query.order_by(operations.c.updated_at, operations.c.id).limit(limit).offset(offset)
         with self.read() as conn:
             return [operation_from_row(r, ()) for r in conn.execute(query)]
 
-    def count_operations(
-        self,
-        *,
-        states: Sequence[State],
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | None = None,
-        older_than_ms: int | None = None,
-        newer_than_ms: int | None = None,
-    ) -> int:
+    def count_operations(self, where: OperationFilter) -> int:
         """How many operations :meth:`list_operations` would return without a limit."""
-        query = self._select_operations(
-            select(func.count()).select_from(operations),
-            states=states,
-            tenant=tenant,
-            endpoint=endpoint,
-            reason=reason,
-            older_than_ms=older_than_ms,
-            newer_than_ms=newer_than_ms,
-        )
+        query = where.apply(select(func.count()).select_from(operations))
         with self.read() as conn:
             return int(conn.execute(query).scalar_one())
 
