@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from outbox.errors import (
     ConcurrentModification,
@@ -21,8 +21,15 @@ from outbox.errors import (
     OperatorActionRefused,
     ValidationError,
 )
-from outbox.model import Action, Operation, Reason, State
-from outbox.reconcile import Reconciler, StatusReport, check_actor, check_note, default_operator
+from outbox.model import Operation, Reason, State
+from outbox.reconcile import (
+    Plan,
+    Reconciler,
+    StatusReport,
+    check_actor,
+    check_note,
+    default_operator,
+)
 from outbox.reconcile.probe import probe, skip_reason
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
@@ -204,29 +211,12 @@ class GuardedReconciler(Reconciler):
             )
         return op
 
-    def _act(
-        self,
-        op: Operation,
-        *,
-        action: Action,
-        to_state: State,
-        values: dict[str, Any],
-        note: str,
-        operator: str | None,
-        details: dict[str, Any] | None = None,
-    ) -> Operation:
+    def _act(self, op: Operation, plan: Plan, *, note: str, operator: str | None) -> Operation:
         if not self.dry_run:
-            return super()._act(
-                op,
-                action=action,
-                to_state=to_state,
-                values=values,
-                note=note,
-                operator=operator,
-                details=details,
-            )
+            return super()._act(op, plan, note=note, operator=operator)
         check_note(note)
         check_actor(operator or default_operator())
+        to_state = plan.to_state
         return dataclasses.replace(
             op, state=to_state, reason=None if to_state is not State.UNRESOLVED else op.reason
         )

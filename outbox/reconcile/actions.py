@@ -407,30 +407,11 @@ class OperatorActions:
     ) -> Operation:
         if isinstance(plan, Refusal):
             raise plan.error()
-        return self._act(
-            op,
-            action=plan.action,
-            to_state=plan.to_state,
-            values=plan.values,
-            note=note,
-            operator=operator,
-            details=plan.details,
-        )
+        return self._act(op, plan, note=note, operator=operator)
 
-    def _act(
-        self,
-        op: Operation,
-        *,
-        action: Action,
-        to_state: State,
-        values: dict[str, Any],
-        note: str,
-        operator: str | None,
-        details: dict[str, Any] | None = None,
-    ) -> Operation:
+    def _act(self, op: Operation, plan: Plan, *, note: str, operator: str | None) -> Operation:
         """The single actions' write: a hook subclasses override (the console's guarded,
         dry-run reconciler)."""
-        plan = Plan(action=action, to_state=to_state, values=values, details=details or {})
         return self.apply(op, plan, note=note, operator=operator)
 
     def resolve(
