@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -146,54 +146,67 @@ class Target:
     yes: bool
 
 
-def bulk_options(fn: Any) -> Any:
-    """One operation ID, or --all with filters; --dry-run and --yes. The command gets
-    them as one ``target`` (:class:`Target`), checked: bulk-only flags are refused with
-    one operation."""
+def target_options(
+    *, every_help: str, tenant_help: str, confirm: bool = True
+) -> Callable[[Any], Any]:
+    """One operation ID, or --all with filters (and, with ``confirm``, --dry-run and
+    --yes). The command gets them as one ``target`` (:class:`Target`), checked:
+    bulk-only flags are refused with one operation."""
 
-    @functools.wraps(fn)
-    def gathered(
-        *args: Any,
-        operation_id: str | None,
-        every: bool,
-        tenant: str | None,
-        endpoint: str | None,
-        reason: str | None,
-        older_than: timedelta | None,
-        newer_than: timedelta | None,
-        dry_run: bool,
-        yes: bool,
-        **kwargs: Any,
-    ) -> Any:
-        filters = {
-            "endpoint": endpoint,
-            "reason": reason,
-            "older_than": older_than,
-            "newer_than": newer_than,
-        }
-        flags = {"dry_run": dry_run, "yes": yes}
-        selection = _selection(operation_id, every, tenant, filters, flags)
-        target = Target(operation_id, tenant, selection, dry_run, yes)
-        return fn(*args, target=target, **kwargs)
+    def decorate(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def gathered(
+            *args: Any,
+            operation_id: str | None,
+            every: bool,
+            tenant: str | None,
+            endpoint: str | None,
+            reason: str | None,
+            older_than: timedelta | None,
+            newer_than: timedelta | None,
+            dry_run: bool = False,
+            yes: bool = False,
+            **kwargs: Any,
+        ) -> Any:
+            filters = {
+                "endpoint": endpoint,
+                "reason": reason,
+                "older_than": older_than,
+                "newer_than": newer_than,
+            }
+            flags = {"dry_run": dry_run, "yes": yes}
+            selection = _selection(operation_id, every, tenant, filters, flags)
+            target = Target(operation_id, tenant, selection, dry_run, yes)
+            return fn(*args, target=target, **kwargs)
 
-    for option in reversed(
-        (
+        options: list[Any] = [
             click.argument("operation_id", required=False),
-            click.option("--all", "every", is_flag=True, help="Act on every match of the filters."),
-            click.option(
-                "--tenant",
-                default=None,
-                help="The operation's tenant (default ''); with --all, a filter.",
-            ),
+            click.option("--all", "every", is_flag=True, help=every_help),
+            click.option("--tenant", default=None, help=tenant_help),
             filter_options,
-            click.option(
-                "--dry-run", is_flag=True, help="With --all: say what would change; change nothing."
-            ),
-            click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation."),
-        )
-    ):
-        gathered = option(gathered)
-    return gathered
+        ]
+        if confirm:
+            options += [
+                click.option(
+                    "--dry-run",
+                    is_flag=True,
+                    help="With --all: say what would change; change nothing.",
+                ),
+                click.option(
+                    "--yes", is_flag=True, help="With --all: do not ask for confirmation."
+                ),
+            ]
+        for option in reversed(options):
+            gathered = option(gathered)
+        return gathered
+
+    return decorate
+
+
+bulk_options = target_options(
+    every_help="Act on every match of the filters.",
+    tenant_help="The operation's tenant (default ''); with --all, a filter.",
+)
 
 
 def _selection(
@@ -456,40 +469,29 @@ def purge(
 
 
 @command(reconcile, "probe")
-@click.argument("operation_id", required=False)
-@click.option("--all", "every", is_flag=True, help="Probe every unresolved match of the filters.")
-@click.option("--tenant", default=None, help="The operation's tenant (with --all: a filter).")
-@filter_options
+@target_options(
+    every_help="Probe every unresolved match of the filters.",
+    tenant_help="The operation's tenant (with --all: a filter).",
+    confirm=False,
+)
 @json_option
-def reconcile_probe(
-    obj: Context,
-    operation_id: str | None,
-    every: bool,
-    tenant: str | None,
-    endpoint: str | None,
-    reason: str | None,
-    older_than: timedelta | None,
-    newer_than: timedelta | None,
-    as_json: bool,
-) -> None:
+def reconcile_probe(obj: Context, target: Target, as_json: bool) -> None:
     """Ask the receiver (the endpoint's status_lookup) and settle what it answers.
 
     Applied: resolved as succeeded. Not applied, within the key retention: requeued under
     the same operation ID. After it: left unresolved, evidence in the audit. Unknown: left
     for you. Every action is audited as actor status-lookup.
     """
-    filters = {
-        "endpoint": endpoint,
-        "reason": reason,
-        "older_than": older_than,
-        "newer_than": newer_than,
-    }
-    _selection(operation_id, every, tenant, filters, {})
     rec = _reconciler(obj)
-    if operation_id is not None:
-        outcomes = [rec.probe(operation_id, tenant=tenant or "")]
+    sel = target.selection
+    if sel is None:
+        assert target.operation_id is not None
+        outcomes = [rec.probe(target.operation_id, tenant=target.tenant or "")]
     else:
-        outcomes = rec.probe_all(tenant=tenant, **filters)
+        outcomes = rec.probe_all(
+            tenant=sel.tenant, endpoint=sel.endpoint, reason=sel.reason,
+            older_than=sel.older_than, newer_than=sel.newer_than,
+        )  # fmt: skip
     if as_json:
         _emit_json([o.as_dict() for o in outcomes])
         return

@@ -13,6 +13,7 @@ from starlette.responses import RedirectResponse, Response
 from outbox.browse import (
     BULK_ACTIONS,
     Browser,
+    BulkReport,
     GuardedReconciler,
     OperationFilter,
     bulk_action,
@@ -413,6 +414,19 @@ class Views:
         accept = _field(form, "accept_duplicate_risk") == "yes"
         view = "/queue" if _field(form, "view") == "queue" else "/operations"
         back = view
+
+        def act(targets: list[tuple[str, str, int]], *, dry_run: bool) -> BulkReport:
+            return bulk_action(
+                self.outbox,
+                targets,
+                action=action,
+                note=note,
+                operator=session.actor,
+                outcome=outcome,
+                accept_duplicate_risk=accept,
+                dry_run=dry_run,
+            )
+
         try:
             if action not in BULK_ACTIONS:
                 raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
@@ -423,17 +437,7 @@ class Views:
                 def preview() -> Any:
                     page = self.browser.operations(listing.flt, limit=BULK_LIMIT)
                     targets = [(op.tenant, op.operation_id, op.version) for op in page.items]
-                    report = bulk_action(
-                        self.outbox,
-                        targets,
-                        action=action,
-                        note=note,
-                        operator=session.actor,
-                        outcome=outcome,
-                        accept_duplicate_risk=accept,
-                        dry_run=True,
-                    )
-                    return page.total, report
+                    return page.total, act(targets, dry_run=True)
 
                 total, report = await in_thread(preview)
                 applicable = [
@@ -447,18 +451,7 @@ class Views:
                     raise ValidationError("no operation was selected")
                 if len(targets) > BULK_LIMIT:
                     raise ValidationError(f"at most {BULK_LIMIT} operations at once")
-                report = await in_thread(
-                    lambda: bulk_action(
-                        self.outbox,
-                        targets,
-                        action=action,
-                        note=note,
-                        operator=session.actor,
-                        outcome=outcome,
-                        accept_duplicate_risk=accept,
-                        dry_run=False,
-                    )
-                )
+                report = await in_thread(lambda: act(targets, dry_run=False))
                 total, applicable = len(targets), []
             else:
                 raise ValidationError("step is preview or apply")

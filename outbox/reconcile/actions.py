@@ -32,7 +32,7 @@ from outbox.model import (
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
 from outbox.safetext import check_printable
 from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, watch
-from outbox.store.operator import OperationFilter
+from outbox.store.operator import OperatorSelection
 
 if TYPE_CHECKING:
     from outbox.parts import OutboxParts
@@ -112,9 +112,9 @@ class OperatorActions:
         reason: Reason | str | None = None,
         older_than: timedelta | None = None,
         newer_than: timedelta | None = None,
-    ) -> OperationFilter:
+    ) -> OperatorSelection:
         """The store's filter for operations in ``state`` (ages measured from now)."""
-        return OperationFilter(
+        return OperatorSelection(
             states=[state],
             tenant=tenant,
             endpoint=endpoint,

@@ -36,7 +36,7 @@ from outbox.store.tables import attempts, audit, operations
 
 
 @dataclass(frozen=True, slots=True)
-class OperationFilter:
+class OperatorSelection:
     """Which operations an operator query takes: those in ``states`` that match every
     filter given. ``older_than_ms``/``newer_than_ms`` bound ``updated_at``."""
 
@@ -78,7 +78,7 @@ class OperatorQueries(ChangeSignals):
     # -- operators ----------------------------------------------------------------
 
     def list_operations(
-        self, where: OperationFilter, *, limit: int | None = 50, offset: int = 0
+        self, where: OperatorSelection, *, limit: int | None = 50, offset: int = 0
     ) -> list[Operation]:
         """Operations ``where`` takes, oldest change first (no attempts);
         ``limit=None`` returns every match."""
@@ -87,7 +87,7 @@ class OperatorQueries(ChangeSignals):
         with self.read() as conn:
             return [operation_from_row(r, ()) for r in conn.execute(query)]
 
-    def count_operations(self, where: OperationFilter) -> int:
+    def count_operations(self, where: OperatorSelection) -> int:
         """How many operations :meth:`list_operations` would return without a limit."""
         query = where.apply(select(func.count()).select_from(operations))
         with self.read() as conn:
