@@ -27,18 +27,30 @@ import tempfile
 import time
 from pathlib import Path
 
+_PREPARE = """
+import sys
+from outbox import Endpoint, Outbox
+with Outbox(sys.argv[1], endpoints=[Endpoint(name="api", base_url="http://127.0.0.1:9")]) as ob:
+    ob.enqueue(endpoint="api", method="POST", path="/x", json={"n": 1}, operation_id="op-1")
+"""
 
-def _prepare(directory: Path) -> str:
-    from outbox import Endpoint, Outbox
 
+def _prepare(directory: Path, pythonpath: str | None) -> str:
+    """A database made by the tree's own code (its own schema version), one operation."""
     url = f"sqlite:///{directory / 'outbox.sqlite3'}"
-    with Outbox(url, endpoints=[Endpoint(name="api", base_url="http://127.0.0.1:9")]) as ob:
-        ob.enqueue(endpoint="api", method="POST", path="/x", json={"n": 1}, operation_id="op-1")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    subprocess.run([sys.executable, "-c", _PREPARE, url], env=env, check=True, cwd=directory)
     return url
 
 
 def _time(command: list[str], pythonpath: str | None, pycache: Path) -> tuple[float, float]:
-    """Wall-clock and CPU (user + system) seconds of one run of ``command``."""
+    """Wall-clock and CPU (user + system) seconds of one run of ``command``.
+
+    Run from the temporary directory, never from a checkout: ``python -m`` puts the
+    working directory first on ``sys.path``, ahead of ``PYTHONPATH``, so a run started
+    in one tree would time that tree's code for both sides."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -47,7 +59,7 @@ def _time(command: list[str], pythonpath: str | None, pycache: Path) -> tuple[fl
         env["PYTHONPATH"] = pythonpath
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run(command, env=env, check=True, capture_output=True)
+    subprocess.run(command, env=env, check=True, capture_output=True, cwd=pycache.parent)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -60,39 +72,35 @@ def main() -> None:
     parser.add_argument("--before", default=None)
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        url = _prepare(Path(tmp))
         python = sys.executable
         commands = {
             "python -c pass": [python, "-c", "pass"],
-            "outbox status": [python, "-m", "outbox.cli", "--db", url, "status"],
+            "outbox status": [python, "-m", "outbox.cli", "--db", "{url}", "status"],
             "outbox reconcile show": [
-                python,
-                "-m",
-                "outbox.cli",
-                "--db",
-                url,
-                "reconcile",
-                "show",
-                "op-1",
+                python, "-m", "outbox.cli", "--db", "{url}", "reconcile", "show", "op-1",
             ],
-        }
-        trees = (
-            {"after": None}
-            if options.before is None
-            else {
-                "before": options.before,
-                "after": None,
-            }
-        )
+        }  # fmt: skip
+        trees = {"after": None} if options.before is None else {
+            "before": options.before, "after": None,
+        }  # fmt: skip
+        urls = {}
+        for tree, path in trees.items():
+            (Path(tmp) / tree).mkdir()
+            urls[tree] = _prepare(Path(tmp) / tree, path)
         pycache = Path(tmp) / "pycache"
+
+        def line(command: list[str], tree: str) -> list[str]:
+            return [word.replace("{url}", urls[tree]) for word in command]
+
         for command in commands.values():
-            for path in trees.values():
-                _time(command, path, pycache)  # compiles and caches the bytecode
+            for tree, path in trees.items():
+                _time(line(command, tree), path, pycache)  # compiles and caches the bytecode
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for _ in range(options.runs):
             for name, command in commands.items():
                 for tree, path in trees.items():
-                    results.setdefault((name, tree), []).append(_time(command, path, pycache))
+                    timed = _time(line(command, tree), path, pycache)
+                    results.setdefault((name, tree), []).append(timed)
         print(f"medians of {options.runs} runs; wall clock, then CPU (user + system)")
         for name in commands:
             for index, label in ((0, "wall"), (1, "cpu")):
