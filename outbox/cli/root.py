@@ -39,10 +39,11 @@ class SafeConsole(Console):
         return super().render_str(neutralise(text), **kwargs)
 
 
-# Markup off by default: a stored string in a table cell ("[link=…]") must print as
-# written, never be read as rich markup. Our own styled lines ask for markup=True.
-out = SafeConsole(highlight=False, soft_wrap=True, markup=False)
-err = SafeConsole(highlight=False, soft_wrap=True, stderr=True, markup=False)
+# Markup and emoji codes off: a stored string in a table cell ("[link=…]", ":warning:")
+# must print as written, never be read as rich markup or turned into an emoji. Our own
+# styled lines ask for markup=True.
+out = SafeConsole(highlight=False, soft_wrap=True, markup=False, emoji=False)
+err = SafeConsole(highlight=False, soft_wrap=True, stderr=True, markup=False, emoji=False)
 
 _LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 

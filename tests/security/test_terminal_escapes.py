@@ -71,9 +71,10 @@ def test_stored_control_sequences_are_neutralised_on_display(tmp_path: Path) -> 
 
 def test_stored_strings_are_never_read_as_rich_markup(tmp_path: Path) -> None:
     """A receiver's request ID (or any stored string in a table cell) that looks like
-    rich markup prints as written: it cannot restyle the table or plant a link."""
+    rich markup or emoji codes prints as written: it cannot restyle the table, plant a
+    link or turn ":warning:" into a picture."""
     db = tmp_path / "ob.sqlite3"
-    planted = "[link=http://evil.example]support[/link] [red]OK[/red]"
+    planted = "[link=http://evil.example]support[/link] [red]OK[/red] :warning: :+1:"
     with Outbox(f"sqlite:///{db}",
                 endpoints=[Endpoint(name="rx", base_url="http://127.0.0.1:9")]) as ob:  # fmt: skip
         op = ob.enqueue(endpoint="rx", method="POST", path="/x", json={}, operation_id="op")
