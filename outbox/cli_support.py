@@ -52,6 +52,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STORE, EXIT_BUG = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
+
 #: Environment variables naming the database, first found wins. OUTBOX_DATABASE_URL is
 #: the older name, still read.
 DB_ENVVARS = ("OUTBOX_DB", "OUTBOX_DATABASE_URL")
@@ -345,7 +346,25 @@ def command(
 
 
 class OutboxGroup(click.Group):
-    """A click group whose usage errors are one line too (and a pointer to --help)."""
+    """A click group whose usage errors are one line too (and a pointer to --help), and
+    whose commands are imported when used: ``lazy_commands`` names the module that
+    defines each one, so ``outbox status`` loads the read commands' module alone
+    (``--help`` loads them all)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands: dict[str, str] = {}
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = self.lazy_commands.get(cmd_name)
+        if module is not None and cmd_name not in self.commands:
+            importlib.import_module(module)
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        for module in sorted(set(self.lazy_commands.values())):
+            importlib.import_module(module)
+        return super().list_commands(ctx)
 
     def main(
         self,

@@ -8,10 +8,9 @@ aiohttp, Alembic, tenacity) are imported only by the commands that need them.
 
 The package: :mod:`.root` (the ``outbox`` group and what every command shares), and the
 commands in :mod:`.reading`, :mod:`.dispatching`, :mod:`.operator` and :mod:`.tools`,
-registered on the group as they are imported here.
+each registered on the group when the group first needs it (``root.main.lazy_commands``).
 """
 
-from outbox.cli import dispatching, operator, reading, tools
 from outbox.cli.root import main
 
-__all__ = ["dispatching", "main", "operator", "reading", "tools"]
+__all__ = ["main"]

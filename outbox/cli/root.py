@@ -112,6 +112,23 @@ def main(
     ctx.call_on_close(obj.close)
 
 
+# Where each command is defined (imported on use; tests/unit/test_cli_commands.py checks
+# this map against what the modules register).
+main.lazy_commands = {
+    "migrate": "outbox.cli.reading",
+    "status": "outbox.cli.reading",
+    "show": "outbox.cli.reading",
+    "audit": "outbox.cli.reading",
+    "reconcile": "outbox.cli.operator",
+    "cancel": "outbox.cli.operator",
+    "purge": "outbox.cli.operator",
+    "dispatch": "outbox.cli.dispatching",
+    "demo": "outbox.cli.tools",
+    "console": "outbox.cli.tools",
+    "check-receiver": "outbox.cli.tools",
+}
+
+
 def _filter_words(**filters: Any) -> list[str]:
     """The command-line words that give these filters again."""
     from outbox.durations import format_duration

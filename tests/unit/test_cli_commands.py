@@ -1,0 +1,45 @@
+"""The ``outbox`` group imports each command's module when the command is used, from the
+map in ``outbox.cli.root``; the map must name every command, each where it is defined."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import click
+
+from outbox.cli.root import main
+
+COMMAND_MODULES = ("reading", "operator", "dispatching", "tools")
+
+
+def test_the_lazy_map_names_every_command_where_it_is_defined() -> None:
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"outbox.cli.{name}")
+    registered = {name: cmd.callback.__module__ for name, cmd in main.commands.items()}
+    # A subgroup's callback lives where the group is defined, like a command's.
+    assert registered == main.lazy_commands
+
+
+def test_a_command_loads_its_own_module_and_help_loads_all() -> None:
+    probe = (
+        "import sys\n"
+        "from outbox.cli import main\n"
+        "ctx = main.make_context('outbox', ['status'])\n"
+        "main.get_command(ctx, 'status')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('outbox.cli.')))\n"
+        "main.list_commands(ctx)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('outbox.cli.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "['outbox.cli.reading', 'outbox.cli.root']"
+    assert out[1] == str(sorted(f"outbox.cli.{m}" for m in (*COMMAND_MODULES, "root")))
+
+
+def test_an_unknown_command_is_still_a_usage_error() -> None:
+    ctx = main.make_context("outbox", ["status"])
+    assert main.get_command(ctx, "no-such-command") is None
+    assert isinstance(main.get_command(ctx, "reconcile"), click.Group)
