@@ -20,6 +20,7 @@ Read commands never create or migrate anything: only ``outbox migrate`` does.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import os
 import shlex
@@ -52,6 +53,32 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STORE, EXIT_BUG = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
+
+
+class _Process:
+    """What the process entry (``outbox.__main__``) and the commands tell each other."""
+
+    #: The entry switched the garbage collector off for the start-up; any command that
+    #: is not a read switches it back on.
+    gc_paused = False
+    #: A read command (``command(..., reads=True)``) has started: the entry may end the
+    #: process without the interpreter's teardown.
+    read_command = False
+
+
+_PROCESS = _Process()
+
+
+def pause_gc_for_startup() -> None:
+    """Called by the process entry alone (see ``outbox.__main__``)."""
+    gc.disable()
+    _PROCESS.gc_paused = True
+
+
+def ran_read_command() -> bool:
+    """Whether this process ran a read command (see ``outbox.__main__``)."""
+    return _PROCESS.read_command
+
 
 #: Environment variables naming the database, first found wins. OUTBOX_DATABASE_URL is
 #: the older name, still read.
@@ -320,8 +347,14 @@ def command(
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             obj = click.get_current_context().find_object(Context)
-            if not reads and obj is not None:
-                obj.configure_logs()
+            if reads:
+                _PROCESS.read_command = True
+            else:
+                if _PROCESS.gc_paused:
+                    gc.enable()
+                    _PROCESS.gc_paused = False
+                if obj is not None:
+                    obj.configure_logs()
             try:
                 return fn(obj, *args, **kwargs)
             except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort):

@@ -95,3 +95,44 @@ def test_the_probe_sees_what_a_dispatching_command_imports(sqlite_url: str) -> N
     code, modules = _loaded_after(["--db", sqlite_url, "migrate"])
     assert code == 0
     assert "alembic" in modules
+
+
+def _entry(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_the_process_entry_ends_a_read_with_its_output_and_exit_code(
+    tmp_path: Path, db_url: str
+) -> None:
+    """``python -m outbox`` (the installed script's entry) ends a read command without the
+    interpreter's teardown: the output must still be all there, the exit code kept."""
+    with Outbox(db_url, endpoints=[Endpoint(name="api", base_url="http://127.0.0.1:9")]) as ob:
+        for n in range(30):
+            ob.enqueue(endpoint="api", method="POST", path="/x", json={}, operation_id=f"op-{n}")
+    shown = _entry(["--db", db_url, "show", "op-7", "--json"])
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["operation_id"] == "op-7"
+    listed = _entry(["--db", db_url, "status", "--json"])
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["counts"]["pending"] == 30
+    missing = _entry(["--db", f"sqlite:///{tmp_path / 'nope.sqlite3'}", "status"])
+    assert missing.returncode == 3
+    assert missing.stdout == "" and len(missing.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "nope.sqlite3").exists()
+    usage = _entry(["--db", db_url, "show"])
+    assert usage.returncode == 2
+
+
+def test_the_installed_script_is_the_process_entry() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="outbox")
+    assert script.value == "outbox.__main__:main"

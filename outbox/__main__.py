@@ -1,0 +1,59 @@
+"""The ``outbox`` command's process: ``python -m outbox`` and the installed script.
+
+A read command (``status``, ``show``, ``reconcile list|show``, ``audit``) is a process
+that lives a few hundred milliseconds, most of them importing SQLAlchemy and our own
+modules. Two things that cost it time buy it nothing:
+
+* the cyclic garbage collector, which runs again and again while the imports build
+  thousands of classes and functions that all stay alive until exit (reference counting
+  still frees everything else); it is switched off for the start-up and switched back on
+  by every command that is not a read (``outbox.cli_support.command``), so a dispatcher
+  or the console runs with it as usual;
+* the interpreter's teardown of every module at exit. Once a read command has returned,
+  closed its database connection (the click context's close) and its output is flushed,
+  the process ends with ``os._exit``. Anything else (``dispatch``, ``console``,
+  ``migrate``…) exits the ordinary way, with its ``atexit`` handlers.
+
+Only this entry point does either: ``outbox.cli.main`` called in-process (tests, an
+application embedding the command) keeps the interpreter's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+
+def main() -> NoReturn:
+    from outbox import cli_support
+
+    cli_support.pause_gc_for_startup()
+    from outbox.cli import main as command
+
+    try:
+        command()
+    except SystemExit as exc:
+        code = exc.code
+    else:  # pragma: no cover - click's standalone mode always exits
+        code = 0
+    if not cli_support.ran_read_command():
+        sys.exit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:
+        # The reader left (`outbox reconcile list | head`): say nothing more.
+        pass
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()
