@@ -137,6 +137,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "entry points",
         ("outbox.cli", "outbox.contrib.django.migrations", "outbox.contrib.django.management"),
     ),
+    ("process", ("outbox.__main__", "outbox.cli.__main__")),
     ("package", ("outbox",)),
 ]
 
