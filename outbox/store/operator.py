@@ -255,39 +255,33 @@ class OperatorQueries(ChangeSignals):
                 ).scalar_one()
             )
 
+    def _count_live_attempted(self, *conditions: Any) -> int:
+        """Live operations with at least one attempt that also meet ``conditions``."""
+        with self.read() as conn:
+            query = (
+                select(func.count())
+                .select_from(operations)
+                .where(
+                    operations.c.state.in_(state_values(LIVE_STATES)),
+                    operations.c.first_attempt_at.is_not(None),
+                    *conditions,
+                )
+            )
+            return int(conn.execute(query).scalar_one())
+
     def keys_near_expiry_by_snapshot(self, expiring_before_ms: int) -> int:
         """Live, attempted operations whose key (by their policy snapshot) expires
         before the given time."""
-        live = state_values(LIVE_STATES)
-        with self.read() as conn:
-            return int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(operations)
-                    .where(
-                        operations.c.state.in_(live),
-                        operations.c.first_attempt_at.is_not(None),
-                        operations.c.policy_key_retention_ms.is_not(None),
-                        operations.c.first_attempt_at + operations.c.policy_key_retention_ms
-                        <= expiring_before_ms,
-                    )
-                ).scalar_one()
-            )
+        return self._count_live_attempted(
+            operations.c.policy_key_retention_ms.is_not(None),
+            operations.c.first_attempt_at + operations.c.policy_key_retention_ms
+            <= expiring_before_ms,
+        )
 
     def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
         """Like :meth:`keys_near_expiry_by_snapshot`, for rows without a snapshot."""
-        live = state_values(LIVE_STATES)
-        with self.read() as conn:
-            return int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(operations)
-                    .where(
-                        operations.c.endpoint == endpoint,
-                        operations.c.policy_key_retention_ms.is_(None),
-                        operations.c.state.in_(live),
-                        operations.c.first_attempt_at.is_not(None),
-                        operations.c.first_attempt_at <= first_attempt_before_ms,
-                    )
-                ).scalar_one()
-            )
+        return self._count_live_attempted(
+            operations.c.endpoint == endpoint,
+            operations.c.policy_key_retention_ms.is_(None),
+            operations.c.first_attempt_at <= first_attempt_before_ms,
+        )
