@@ -2,8 +2,8 @@
 server carries, with no HTTP at all, for K = 1, 2, 4, 8 dispatcher processes.
 
 Each process runs the store calls a dispatcher makes for every operation, in the same
-transactions: ``Store.claim`` (a batch), ``Store.begin_attempts`` (the write-ahead
-attempt rows), then ``Store.record_outcomes`` (the fenced outcome, "succeeded"). Batches
+transactions: ``Store.claim_and_begin`` (a batch and its write-ahead attempt rows, one
+transaction), then ``Store.record_outcomes`` (the fenced outcome, "succeeded"). Batches
 are of 64, what a dispatcher at concurrency 64 claims. The figure is the rate at which
 the database side alone could settle operations; a dispatcher fleet cannot go faster
 than this, whatever the receiver.
@@ -32,7 +32,7 @@ def cycle_until_empty(db_url: str, batch: int) -> dict[str, Any]:
     from outbox.model import Delivery, State, Verdict
     from outbox.store import store_for
     from outbox.store.engine import create_engine
-    from outbox.store.records import AttemptOutcome
+    from outbox.store.records import AttemptOutcome, ClaimPlan
 
     engine = create_engine(db_url)
     store = store_for(engine)
@@ -44,14 +44,13 @@ def cycle_until_empty(db_url: str, batch: int) -> dict[str, Any]:
         while True:
             token = str(uuid.uuid4())
             now = clock.now_ms()
-            claimed, _ = store.claim(owner=owner, token=token, now_ms=now, lease_ms=30_000,
-                                     limit=batch)
-            if not claimed:
-                break
-            started = store.begin_attempts(
-                token=token, owner=owner, now_ms=now, lease_until=now + 30_000,
-                request_ids={c.pk: str(uuid.uuid4()) for c in claimed},
+            result = store.claim_and_begin(
+                owner=owner, token=token, now_ms=now, lease_ms=30_000, limit=batch,
+                plan=lambda claimed: ClaimPlan(send={c.pk: str(uuid.uuid4()) for c in claimed}),
             )
+            if not result.claimed:
+                break
+            started = result.started
             outcomes = [
                 AttemptOutcome(
                     pk=s.pk, lease_token=token, request_id=s.request_id,
@@ -66,7 +65,7 @@ def cycle_until_empty(db_url: str, batch: int) -> dict[str, Any]:
             cycles += 1
     finally:
         engine.dispose()
-    return {"done": done, "transactions": cycles * 3}
+    return {"done": done, "transactions": cycles * 2}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from outbox.outcomes import (
 )
 from outbox.policy import reason_from_history
 from outbox.store.base import Store
-from outbox.store.records import AttemptOutcome, Claimed, Settlement
+from outbox.store.records import AttemptOutcome, Claimed, ClaimPlan, Release, Settlement
 from outbox.transport import build_client, request_headers, send_attempt
 from outbox.unresolved import OnUnresolved, UnresolvedLookups
 from outbox.wakeup import Wakeup
@@ -272,58 +272,16 @@ class Dispatcher:
             )
         return self.summary
 
-    async def _snapshot_policies(self, claimed: list[Claimed]) -> None:
-        """Rows enqueued before policy snapshots get this endpoint's policy now, so
-        operator tools can judge them without the application."""
-        missing = {
-            c.pk: self.endpoints[c.endpoint].policy_snapshot()
-            for c in claimed
-            if c.policy_window_ms is None and c.endpoint in self.endpoints
-        }
-        if not missing:
-            return
-        try:
-            await self._run_db(self.store.snapshot_policies, policies=missing)
-        except (StoreError, DBAPIError) as exc:
-            # Only the operator's view loses: the next claim tries again.
-            self._log.warning("policy_snapshot_failed", error=type(exc).__name__)
-
-    async def _claim_and_start(self, limit: int) -> list[Work]:
-        token = str(uuid.uuid4())
-        claim_ns = time.time_ns()
-        claimed_mono = self.clock.monotonic()
-        now = self.clock.now_ms()
-        claimed, recovered = await self._run_db(
-            self.store.claim,
-            owner=self.dispatcher_id,
-            token=token,
-            now_ms=now,
-            lease_ms=int(self.lease_seconds * 1000),
-            limit=limit,
-        )
-        self._claimed_none = not claimed
-        self.wakeup.after_claim(len(claimed))
-        if not claimed:
-            return []
-        self.summary.claimed += len(claimed)
-        batch = self._observe.claimed(claimed, recovered, claim_ns)
-        self._log.debug("operations_claimed", count=len(claimed), lease_token=token)
-        for rec in recovered:
-            self.summary.recovered += 1
-            self._log.warning(
-                "lease_expired",
-                operation_pk=rec.pk,
-                request_id=rec.request_id,
-                attempt=rec.number,
-                previous_dispatcher=rec.dispatcher_id,
-            )
-        await failpoints.hit("after_claim")
-        await self._snapshot_policies(claimed)
-
-        to_send: dict[int, str] = {}
+    def _plan(
+        self, claimed: list[Claimed], *, token: str, now: int, refused: list[tuple[Claimed, str]]
+    ) -> ClaimPlan:
+        """Decide about a claimed batch, inside the claim's transaction (on the database
+        thread: no I/O, no logging; the operations this dispatcher must not send are
+        added to ``refused`` for the log). Every check that decides whether a request
+        may go out happens here, before its attempt row is written."""
+        send: dict[int, str] = {}
         settlements: list[Settlement] = []
-        unsendable: dict[str, list[int]] = {}
-        by_pk: dict[int, tuple[Claimed, Endpoint]] = {}
+        unsendable: dict[str, list[Claimed]] = {}
         for c in claimed:
             endpoint = self.endpoints.get(c.endpoint)
             problem = (
@@ -333,11 +291,15 @@ class Dispatcher:
             )
             if problem is not None or endpoint is None:
                 assert problem is not None
-                settlement = self._unsendable(c, token, now, problem)
+                refused.append((c, problem))
+                settlement = unsendable_settlement(
+                    c, token, now, problem, registered=endpoint is not None,
+                    dispatcher_id=self.dispatcher_id,
+                )  # fmt: skip
                 if settlement is not None:
                     settlements.append(settlement)
                 else:
-                    unsendable.setdefault(problem, []).append(c.pk)
+                    unsendable.setdefault(problem, []).append(c)
                 continue
             deadline = endpoint.deadline_ms(
                 window_started_at_ms=c.window_started_at or now,
@@ -351,78 +313,100 @@ class Dispatcher:
                 )
                 settlements.append(Settlement(c.pk, token, State.UNRESOLVED, reason))
                 continue
-            to_send[c.pk] = str(uuid.uuid4())
-            by_pk[c.pk] = (c, endpoint)
+            send[c.pk] = str(uuid.uuid4())
+        releases = [
+            Release(
+                pks=[c.pk for c in held],
+                delay_ms=max(1, min(_UNKNOWN_ENDPOINT_DELAY_MS,
+                                    max(unsendable_window_end(c, now) for c in held) - now + 1)),
+                last_error=problem,
+            )
+            for problem, held in unsendable.items()
+        ]  # fmt: skip
+        # Rows enqueued before policy snapshots get this endpoint's policy now, so
+        # operator tools can judge them without the application.
+        policies = {
+            c.pk: self.endpoints[c.endpoint].policy_snapshot()
+            for c in claimed
+            if c.policy_window_ms is None and c.endpoint in self.endpoints
+        }
+        return ClaimPlan(send=send, settlements=settlements, releases=releases, policies=policies)
+
+    async def _claim_and_start(self, limit: int) -> list[Work]:
+        token = str(uuid.uuid4())
+        claim_ns = time.time_ns()
+        claimed_mono = self.clock.monotonic()
+        now = self.clock.now_ms()
+        refused: list[tuple[Claimed, str]] = []
+        # One transaction: the claim, the decisions about it and the attempt rows of
+        # everything to send. It commits before any request of the batch goes out.
+        result = await self._run_db(
+            self.store.claim_and_begin,
+            owner=self.dispatcher_id,
+            token=token,
+            now_ms=now,
+            lease_ms=int(self.lease_seconds * 1000),
+            limit=limit,
+            plan=lambda claimed: self._plan(claimed, token=token, now=now, refused=refused),
+        )
+        claimed = result.claimed
+        self._claimed_none = not claimed
+        self.wakeup.after_claim(len(claimed))
+        if not claimed:
+            return []
+        self.summary.claimed += len(claimed)
+        batch = self._observe.claimed(claimed, result.recovered, claim_ns)
+        self._log.debug("operations_claimed", count=len(claimed), lease_token=token)
+        for rec in result.recovered:
+            self.summary.recovered += 1
+            self._log.warning(
+                "lease_expired",
+                operation_pk=rec.pk,
+                request_id=rec.request_id,
+                attempt=rec.number,
+                previous_dispatcher=rec.dispatcher_id,
+            )
+        for c, problem in refused:
+            self._log.error(
+                "operation_unsendable" if c.endpoint in self.endpoints
+                else "endpoint_not_registered",
+                operation_id=c.operation_id, tenant=c.tenant, endpoint=c.endpoint,
+                detail=problem,
+            )  # fmt: skip
+        by_pk = {c.pk: c for c in claimed}
+        for s in result.plan.settlements:
+            if s.pk in result.settled:
+                self._observe.settled(
+                    s.pk, s.state, s.reason, now, not_sent=s.not_sent is not None
+                )
+                self.summary.count("operation_unresolved", s.reason)
+                self._log.warning(
+                    "operation_unresolved",
+                    operation_pk=s.pk,
+                    reason=s.reason,
+                    why=s.last_error or "window closed or attempts spent",
+                )
+        self._observe.attempts_begun(batch, result.started, now)
+        for begun in result.started:
+            c = by_pk[begun.pk]
             self._names[c.pk] = {
                 "operation_id": c.operation_id,
                 "tenant": c.tenant,
                 "endpoint": c.endpoint,
             }
-        for problem, pks in unsendable.items():
-            window_end = max(
-                (unsendable_window_end(c, now) for c in claimed if c.pk in pks),
-                default=now,
-            )
-            await self._run_db(
-                self.store.release,
-                token=token,
-                now_ms=now,
-                pks=pks,
-                delay_ms=max(1, min(_UNKNOWN_ENDPOINT_DELAY_MS, window_end - now + 1)),
-                last_error=problem,
-            )
-        if settlements:
-            written = await self._run_db(self.store.settle, now_ms=now, settlements=settlements)
-            for s in settlements:
-                if s.pk in written:
-                    self._observe.settled(
-                        s.pk, s.state, s.reason, now, not_sent=s.not_sent is not None
-                    )
-                    self.summary.count("operation_unresolved", s.reason)
-                    self._log.warning(
-                        "operation_unresolved",
-                        operation_pk=s.pk,
-                        reason=s.reason,
-                        why=s.last_error or "window closed or attempts spent",
-                    )
-        started = await self._run_db(
-            self.store.begin_attempts,
-            token=token,
-            owner=self.dispatcher_id,
-            now_ms=now,
-            lease_until=now + int(self.lease_seconds * 1000),
-            request_ids=to_send,
-        )
-        for pk in set(to_send) - {s.pk for s in started}:
-            self._names.pop(pk, None)
-        self._observe.attempts_begun(batch, started, now)
-        for begun in started:
             self._lease_ends[begun.pk] = claimed_mono + self.lease_seconds
+        # The claim and its attempt rows are committed; nothing of the batch is sent yet.
+        await failpoints.hit("after_claim")
         return [
-            Work(by_pk[s.pk][0], by_pk[s.pk][1], s, token, claimed_mono, self.lease_seconds,
-                  batch)
-            for s in started
+            Work(by_pk[s.pk], self.endpoints[by_pk[s.pk].endpoint], s, token, claimed_mono,
+                 self.lease_seconds, batch)
+            for s in result.started
         ]  # fmt: skip
 
     def _not_registered(self, name: str) -> str:
         return (
             f"endpoint {name!r} is not registered in dispatcher {self.dispatcher_id} "
             f"(registered: {sorted(self.endpoints)}); never sent anywhere"
-        )
-
-    def _unsendable(self, c: Claimed, token: str, now: int, problem: str) -> Settlement | None:
-        """Log an operation this dispatcher must not send; its settlement once its window
-        has closed, None while it is open (it is put back, with the reason kept)."""
-        registered = c.endpoint in self.endpoints
-        self._log.error(
-            "operation_unsendable" if registered else "endpoint_not_registered",
-            operation_id=c.operation_id,
-            tenant=c.tenant,
-            endpoint=c.endpoint,
-            detail=problem,
-        )
-        return unsendable_settlement(
-            c, token, now, problem, registered=registered, dispatcher_id=self.dispatcher_id
         )
 
     async def _attempt(self, work: Work) -> None:

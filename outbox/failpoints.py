@@ -10,8 +10,9 @@ log); with it, a dispatcher logs ``failpoints_armed`` at warning level when it s
 * ``raise[:P]``: raise :class:`FailpointError`, with probability P.
 * ``pause:SECONDS[@P]``: sleep that long (longer than the lease, to test fencing).
 
-Points: ``after_claim``, ``after_attempt_commit`` (before the send), ``after_response``
-(before the outcome commit), ``after_outcome``. With the variable unset and no callback
+Points: ``after_claim`` (the claim and its attempt rows committed, in one transaction;
+nothing of the batch sent yet), ``after_attempt_commit`` (per attempt, before its lease
+check and send), ``after_response`` (before the outcome commit), ``after_outcome``. With the variable unset and no callback
 registered, ``hit`` is one truth test of an empty dict.
 
 Two more variables, for soaks that must account for what fired in processes they kill:

@@ -25,13 +25,12 @@ from outbox.errors import StoreError
 from outbox.model import (
     LIVE_STATES,
     Operation,
-    PolicySnapshot,
     Reason,
     State,
     state_values,
 )
 from outbox.store.changes import ChangeSignals
-from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row, policy_columns
+from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row
 from outbox.store.tables import attempts, audit, operations
 
 
@@ -92,21 +91,6 @@ class OperatorQueries(ChangeSignals):
         query = where.apply(select(func.count()).select_from(operations))
         with self.read() as conn:
             return int(conn.execute(query).scalar_one())
-
-    def snapshot_policies(self, policies: dict[int, PolicySnapshot]) -> int:
-        """Fill the policy snapshot of operations that have none (rows older than
-        snapshots); a snapshot already there is never overwritten."""
-        if not policies:
-            return 0
-        with self.write() as conn:
-            return sum(
-                conn.execute(
-                    update(operations)
-                    .where(operations.c.id == pk, operations.c.policy_window_ms.is_(None))
-                    .values(policy_columns(policy))
-                ).rowcount
-                for pk, policy in policies.items()
-            )
 
     def transition_by_operator(
         self,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from outbox.model import Delivery, Reason, State, Verdict
+from outbox.model import Delivery, PolicySnapshot, Reason, State, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,42 @@ class Settlement:
     #: (error class, message, request ID, dispatcher ID) of a not-sent attempt to record
     #: as the evidence of why it never left, if any.
     not_sent: tuple[str, str, str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Claimed operations to give back without an attempt, due again after ``delay_ms``
+    (see ``Store.release``)."""
+
+    pks: Sequence[int]
+    delay_ms: int
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    """What a dispatcher decided about a claimed batch, written in the claim's own
+    transaction (``Store.claim_and_begin``): nothing of it is visible before the
+    attempt rows of ``send`` are committed with it."""
+
+    #: pk -> request ID: an attempt row for each, committed before any is sent.
+    send: dict[int, str] = field(default_factory=dict)
+    settlements: Sequence[Settlement] = ()
+    releases: Sequence[Release] = ()
+    #: Policy snapshots for rows enqueued before snapshots existed.
+    policies: dict[int, PolicySnapshot] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """One claim transaction: what it took, what it recovered, what it started."""
+
+    claimed: list[Claimed]
+    recovered: list[Recovered]
+    plan: ClaimPlan
+    started: list[StartedAttempt]
+    #: The pks of ``plan.settlements`` that were written.
+    settled: set[int]
 
 
 @dataclass(frozen=True, slots=True)

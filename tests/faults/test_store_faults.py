@@ -239,11 +239,13 @@ def test_read_only_in_the_callers_transaction_leaves_nothing_half_written(
     assert _count(path, "orders") == 0
 
 
-def test_database_turning_read_only_after_the_claim_sends_nothing(
+def test_database_refusing_writes_after_the_claim_sends_nothing(
     sqlite_url: str, receiver: Receiver
 ) -> None:
-    """Claimed, then the database refuses writes before the attempt row commits: the
-    request must not go out. Later, with the database writable, it does, recorded."""
+    """The claim's UPDATE has run, then the database refuses writes before the attempt
+    rows are written (they share the claim's transaction): the request must not go out,
+    and the claim rolls back with them, so the operation is due again at once, with no
+    attempt. Later, with the database writable, it is sent once, recorded."""
     clock = FakeClock()
     ob = Outbox(
         sqlite_url,
@@ -252,28 +254,37 @@ def test_database_turning_read_only_after_the_claim_sends_nothing(
                             key_retention=timedelta(hours=1))],
         clock=clock,
     )  # fmt: skip
+    armed = threading.Event()
     read_only = threading.Event()
+    claims_seen: list[str] = []
 
     @event.listens_for(ob.engine, "begin")
     def _maybe_read_only(conn: Any) -> None:
         conn.exec_driver_sql(f"PRAGMA query_only = {'ON' if read_only.is_set() else 'OFF'}")
 
-    async def turn_read_only(name: str) -> None:
-        read_only.set()
-        await asyncio.sleep(0)
+    @event.listens_for(ob.engine, "before_cursor_execute")
+    def _refuse_after_claim(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if read_only.is_set() and not statement.startswith("PRAGMA"):
+            cursor.execute("PRAGMA query_only = ON")
+
+    @event.listens_for(ob.engine, "after_cursor_execute")
+    def _claimed(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if armed.is_set() and "ix_outbox_operations_due" in statement:
+            claims_seen.append(statement)
+            read_only.set()  # the claim ran; every statement after it is refused
 
     try:
         _enqueue(ob, "ro-after-claim")
-        failpoints.register("after_claim", turn_read_only)
+        armed.set()
         with pytest.raises(StoreError, match="readonly"):
             ob.dispatch_once()
-        failpoints.clear()
+        armed.clear()
+        assert len(claims_seen) == 1
         assert receiver.requests() == []
         op = ob.get("ro-after-claim")
-        assert (op.state, op.attempts) == (State.IN_FLIGHT, ())
+        assert (op.state, op.attempts) == (State.PENDING, ())
 
-        read_only.clear()
-        clock.advance(31)  # the claim's lease (30 s) expires
+        read_only.clear()  # no lease to wait for: the claim never committed
         assert ob.dispatch_once().succeeded == 1
         op = ob.get("ro-after-claim")
         assert op.state is State.SUCCEEDED

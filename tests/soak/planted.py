@@ -8,7 +8,7 @@ pytest's ``monkeypatch.setattr`` so it is undone after the test).
 
 * ``key_per_attempt``: the Idempotency-Key is the request ID (a new key per attempt).
 * ``send_before_commit``: the attempt row is written after the response instead of
-  before the send (it is deleted right after ``begin_attempts`` commits it and written
+  before the send (it is deleted right after ``claim_and_begin`` commits it and written
   back with the outcome), so a crash in between leaves a request with no attempt.
 * ``no_window_check``: the retry window (and the key-retention cap) never closes.
 * ``no_lease_check``: no re-check of the lease before sending.
@@ -28,7 +28,7 @@ import outbox.dispatch
 from outbox.config import Endpoint
 from outbox.dispatch import Dispatcher
 from outbox.store.base import Store
-from outbox.store.records import AttemptOutcome, StartedAttempt
+from outbox.store.records import AttemptOutcome, ClaimResult
 from outbox.store.tables import attempts, operations
 from outbox.transport import request_headers
 
@@ -48,15 +48,15 @@ def _key_per_attempt(set_: Setter) -> None:
 
 
 def _send_before_commit(set_: Setter) -> None:
-    original_begin = Store.begin_attempts
+    original_claim = Store.claim_and_begin
     original_record = Store.record_outcomes
     deferred: dict[str, dict[str, Any]] = {}
     lock = threading.Lock()
 
-    def begin(self: Store, **kwargs: Any) -> list[StartedAttempt]:
-        started = original_begin(self, **kwargs)
-        if started:
-            ids = [s.request_id for s in started]
+    def claim(self: Store, **kwargs: Any) -> ClaimResult:
+        result = original_claim(self, **kwargs)
+        if result.started:
+            ids = [s.request_id for s in result.started]
             with self.write() as conn:
                 rows = conn.execute(
                     delete(attempts).where(attempts.c.request_id.in_(ids)).returning(attempts)
@@ -66,7 +66,7 @@ def _send_before_commit(set_: Setter) -> None:
                     values = dict(row._mapping)
                     values.pop("id")
                     deferred[values["request_id"]] = values
-        return started
+        return result
 
     def record(self: Store, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
         with lock:
@@ -76,7 +76,7 @@ def _send_before_commit(set_: Setter) -> None:
                 conn.execute(insert(attempts), rows)
         return original_record(self, now_ms=now_ms, outcomes=outcomes)
 
-    set_(Store, "begin_attempts", begin)
+    set_(Store, "claim_and_begin", claim)
     set_(Store, "record_outcomes", record)
 
 

@@ -75,7 +75,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "outbox.store.migrate",
         ),
     ),
-    ("store: operator queries", ("outbox.store.operator",)),
+    ("store: operator queries", ("outbox.store.operator", "outbox.store.dispatching")),
     ("store: queries", ("outbox.store.base",)),
     ("store: commits", ("outbox.store.commit",)),
     (

@@ -1,0 +1,473 @@
+"""The store's transactions for dispatchers: claim a batch under a lease, commit its
+attempt rows, write outcomes, settle or give back what cannot be sent.
+
+Every write is fenced on the claim's lease token: a dispatcher that lost its lease
+changes nothing. A base of :class:`~outbox.store.base.Store`, which supplies the
+transactions and the dialect's claim statement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from outbox.model import Delivery, ErrorClass, PolicySnapshot, State
+from outbox.store.records import (
+    AttemptOutcome,
+    Claimed,
+    ClaimPlan,
+    ClaimResult,
+    Recovered,
+    Settlement,
+    StartedAttempt,
+)
+from outbox.store.rows import policy_columns
+from outbox.store.statements import _ATTEMPT_OUTCOME, _outcome_update
+from outbox.store.tables import attempts, operations
+
+
+class DispatchQueries:
+    """The dispatcher's transactions; :class:`~outbox.store.base.Store` mixes them in."""
+
+    def write(self) -> AbstractContextManager[Connection]:
+        raise NotImplementedError
+
+    def _snapshot_policies_on(self, conn: Connection, policies: dict[int, PolicySnapshot]) -> int:
+        """Fill the policy snapshot of operations that have none (rows older than
+        snapshots); a snapshot already there is never overwritten."""
+        return sum(
+            conn.execute(
+                update(operations)
+                .where(operations.c.id == pk, operations.c.policy_window_ms.is_(None))
+                .values(policy_columns(policy))
+            ).rowcount
+            for pk, policy in policies.items()
+        )
+
+    def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    _CLAIMED_COLUMNS = (
+        operations.c.id,
+        operations.c.tenant,
+        operations.c.operation_id,
+        operations.c.endpoint,
+        operations.c.method,
+        operations.c.path,
+        operations.c.headers,
+        operations.c.body,
+        operations.c.attempts_counted,
+        operations.c.attempts_total,
+        operations.c.maybe_delivered,
+        operations.c.saw_refusal,
+        operations.c.first_attempt_at,
+        operations.c.window_started_at,
+        operations.c.lease_until,
+        operations.c.created_at,
+        operations.c.traceparent,
+        operations.c.attempts_in_progress,
+        operations.c.policy_window_ms,
+    )
+
+    def claim(
+        self, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
+    ) -> tuple[list[Claimed], list[Recovered]]:
+        """Take up to ``limit`` due operations under a new lease, in one short transaction.
+
+        Operations whose previous lease expired are taken too; their open attempts are
+        closed as ``unknown`` in the same transaction.
+        """
+        with self.write() as conn:
+            return self._claim_on(
+                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
+            )
+
+    def claim_and_begin(
+        self,
+        *,
+        owner: str,
+        token: str,
+        now_ms: int,
+        lease_ms: int,
+        limit: int,
+        plan: Callable[[list[Claimed]], ClaimPlan],
+    ) -> ClaimResult:
+        """Claim a batch and commit its attempt rows in the same transaction.
+
+        ``plan`` (pure, no I/O) decides about the claimed rows inside the transaction:
+        which to send (an attempt row each), which to settle or give back, which need a
+        policy snapshot. One COMMIT writes all of it, so an attempt row is never
+        visible without its claim, and a claim that fails anywhere (a write refused, the
+        COMMIT lost) leaves neither: the rows stay due and nothing is sent.
+        """
+        until = now_ms + lease_ms
+        with self.write() as conn:
+            claimed, recovered = self._claim_on(
+                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
+            )
+            if not claimed:
+                return ClaimResult([], [], ClaimPlan(), [], set())
+            decided = plan(claimed)
+            if decided.policies:
+                self._snapshot_policies_on(conn, decided.policies)
+            for r in decided.releases:
+                self._release_on(conn, token=token, now_ms=now_ms, pks=r.pks,
+                                 delay_ms=r.delay_ms, last_error=r.last_error)  # fmt: skip
+            settled = self._settle_on(conn, now_ms=now_ms, settlements=decided.settlements)
+            started = self._begin_on(conn, token=token, owner=owner, now_ms=now_ms,
+                                     lease_until=until, request_ids=decided.send)  # fmt: skip
+        return ClaimResult(claimed, recovered, decided, started, settled)
+
+    def _claim_on(
+        self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
+    ) -> tuple[list[Claimed], list[Recovered]]:
+        until = now_ms + lease_ms
+        values = {
+            "state": State.IN_FLIGHT.value,
+            "lease_token": token,
+            "lease_owner": owner,
+            "lease_until": until,
+            "next_attempt_at": until,
+            "version": operations.c.version + 1,
+            "updated_at": now_ms,
+        }
+        rows = conn.execute(self._claim_statement(now_ms=now_ms, limit=limit, values=values)).all()
+        claimed = [
+            Claimed(
+                pk=r.id,
+                tenant=r.tenant,
+                operation_id=r.operation_id,
+                endpoint=r.endpoint,
+                method=r.method,
+                path=r.path,
+                headers_json=r.headers,
+                body=r.body,
+                attempts_counted=r.attempts_counted,
+                attempts_total=r.attempts_total,
+                maybe_delivered=bool(r.maybe_delivered),
+                saw_refusal=bool(r.saw_refusal),
+                first_attempt_at=r.first_attempt_at,
+                window_started_at=r.window_started_at,
+                lease_until=r.lease_until,
+                created_at=r.created_at,
+                traceparent=r.traceparent,
+                attempts_in_progress=r.attempts_in_progress,
+                policy_window_ms=r.policy_window_ms,
+            )
+            for r in rows
+        ]
+        if not claimed:
+            return [], []
+        # Only a row taken over from an expired lease can have an open attempt. A
+        # dialect whose claim cannot say what the row was (no "was" column) checks all.
+        taken_over = [
+            r.id
+            for r in rows
+            if r._mapping.get("was", State.IN_FLIGHT.value) == State.IN_FLIGHT.value
+        ]
+        recovered = self._close_open_attempts(conn, taken_over, now_ms) if taken_over else []
+        if recovered:
+            flagged = {r.pk for r in recovered}
+            claimed = [replace(c, maybe_delivered=True) if c.pk in flagged else c for c in claimed]
+        return claimed, recovered
+
+    def _close_open_attempts(
+        self, conn: Connection, pks: Sequence[int], now_ms: int
+    ) -> list[Recovered]:
+        rows = conn.execute(
+            update(attempts)
+            .where(attempts.c.operation_pk.in_(pks), attempts.c.delivery.is_(None))
+            .values(
+                delivery=Delivery.UNKNOWN.value,
+                finished_at=now_ms,
+                error_class=ErrorClass.LEASE_EXPIRED.value,
+                error_message=(
+                    "the dispatcher's lease expired before it recorded an outcome "
+                    "(it crashed, was killed or paused); the request may have been sent"
+                ),
+            )
+            .returning(
+                attempts.c.operation_pk,
+                attempts.c.request_id,
+                attempts.c.number,
+                attempts.c.dispatcher_id,
+            )
+        ).all()
+        if rows:
+            conn.execute(
+                update(operations)
+                .where(operations.c.id.in_([r.operation_pk for r in rows]))
+                .values(maybe_delivered=True)
+            )
+        return [
+            Recovered(
+                pk=r.operation_pk,
+                request_id=r.request_id,
+                number=r.number,
+                dispatcher_id=r.dispatcher_id,
+            )
+            for r in rows
+        ]
+
+    def begin_attempts(
+        self,
+        *,
+        token: str,
+        owner: str,
+        now_ms: int,
+        lease_until: int,
+        request_ids: dict[int, str],
+    ) -> list[StartedAttempt]:
+        """Commit the attempt rows of a batch before any of them is sent.
+
+        Fenced on the lease token: an operation another dispatcher took over gets no
+        attempt and must not be sent.
+        """
+        if not request_ids:
+            return []
+        with self.write() as conn:
+            return self._begin_on(conn, token=token, owner=owner, now_ms=now_ms,
+                                  lease_until=lease_until, request_ids=request_ids)  # fmt: skip
+
+    def _begin_on(
+        self,
+        conn: Connection,
+        *,
+        token: str,
+        owner: str,
+        now_ms: int,
+        lease_until: int,
+        request_ids: dict[int, str],
+    ) -> list[StartedAttempt]:
+        if not request_ids:
+            return []
+        rows = conn.execute(
+            update(operations)
+            .where(operations.c.id.in_(list(request_ids)), operations.c.lease_token == token)
+            .values(
+                attempts_total=operations.c.attempts_total + 1,
+                attempts_counted=operations.c.attempts_counted + 1,
+                first_attempt_at=func.coalesce(operations.c.first_attempt_at, now_ms),
+                window_started_at=func.coalesce(operations.c.window_started_at, now_ms),
+                last_error=None,
+                updated_at=now_ms,
+            )
+            .returning(
+                operations.c.id,
+                operations.c.attempts_total,
+                operations.c.first_attempt_at,
+                operations.c.window_started_at,
+            )
+        ).all()
+        started = [
+            StartedAttempt(
+                pk=r.id,
+                request_id=request_ids[r.id],
+                number=r.attempts_total,
+                first_attempt_at=r.first_attempt_at,
+                window_started_at=r.window_started_at,
+            )
+            for r in rows
+        ]
+        if started:
+            conn.execute(
+                insert(attempts),
+                [
+                    {
+                        "operation_pk": s.pk,
+                        "number": s.number,
+                        "request_id": s.request_id,
+                        "dispatcher_id": owner,
+                        "lease_token": token,
+                        "started_at": now_ms,
+                        "lease_until": lease_until,
+                    }
+                    for s in started
+                ],
+            )
+        return started
+
+    def record_outcomes(self, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
+        """Write attempt outcomes and transitions; returns the operations written.
+
+        Each write is fenced on the lease token: if another dispatcher has taken the
+        operation over, neither the attempt nor the operation changes. One transaction
+        per batch: a fencing read (row-locked on PostgreSQL, and the write lock is already
+        held on SQLite), then one prepared UPDATE per kind of transition, executed for all
+        of its rows at once.
+        """
+        if not outcomes:
+            return set()
+        with self.write() as conn:
+            held = dict(
+                conn.execute(
+                    select(operations.c.id, operations.c.lease_token)
+                    .where(operations.c.id.in_([out.pk for out in outcomes]))
+                    .order_by(operations.c.id)
+                    .with_for_update()
+                ).all()
+            )
+            mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
+            if not mine:
+                return set()
+            groups: dict[tuple[bool, bool, bool, bool], list[dict[str, Any]]] = {}
+            for out in mine:
+                params: dict[str, Any] = {
+                    "b_pk": out.pk,
+                    "b_token": out.lease_token,
+                    "b_state": out.state.value,
+                    "b_reason": out.reason.value if out.reason else None,
+                    "b_next": out.next_attempt_at,
+                    "b_maybe": out.maybe_delivered,
+                    "b_refusal": out.saw_refusal,
+                    "b_now": now_ms,
+                }
+                if out.result is not None:
+                    params.update(
+                        b_rstatus=out.result.status,
+                        b_rheaders=out.result.headers_json,
+                        b_rbody=out.result.body,
+                        b_rsha=out.result.sha256,
+                        b_rsize=out.result.size,
+                        b_rtrunc=out.result.truncated,
+                    )
+                shape = (out.counted, out.state.is_settled, out.result is not None, out.in_progress)
+                groups.setdefault(shape, []).append(params)
+            for shape, rows in groups.items():
+                conn.execute(_outcome_update(*shape), rows)
+            conn.execute(
+                _ATTEMPT_OUTCOME,
+                [
+                    {
+                        "b_rid": out.request_id,
+                        "b_delivery": out.delivery.value,
+                        "b_verdict": out.verdict.value if out.verdict else None,
+                        "b_counted": out.counted,
+                        "b_status": out.status_code,
+                        "b_rrid": out.receiver_request_id,
+                        "b_eclass": out.error_class,
+                        "b_emsg": out.error_message,
+                        "b_duration": out.duration_ms,
+                        "b_now": now_ms,
+                    }
+                    for out in mine
+                ],
+            )
+        return {out.pk for out in mine}
+
+    def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
+        """Move claimed operations to a state without sending (e.g. window closed).
+
+        A settlement with ``not_sent`` also records one closed, not-sent attempt with
+        that error class and message: the evidence of why it never left.
+        """
+        if not settlements:
+            return set()
+        with self.write() as conn:
+            return self._settle_on(conn, now_ms=now_ms, settlements=settlements)
+
+    def _settle_on(
+        self, conn: Connection, *, now_ms: int, settlements: Sequence[Settlement]
+    ) -> set[int]:
+        written: set[int] = set()
+        for s in settlements:
+            values: dict[str, Any] = {
+                "state": s.state.value,
+                "reason": s.reason.value if s.reason else None,
+                "last_error": s.last_error,
+                "next_attempt_at": None,
+                "lease_token": None,
+                "lease_owner": None,
+                "lease_until": None,
+                "updated_at": now_ms,
+                "finished_at": now_ms,
+            }
+            if s.not_sent is not None:
+                values["attempts_total"] = operations.c.attempts_total + 1
+            row = conn.execute(
+                update(operations)
+                .where(operations.c.id == s.pk, operations.c.lease_token == s.lease_token)
+                .values(values)
+                .returning(operations.c.attempts_total)
+            ).first()
+            if row is None:
+                continue
+            written.add(s.pk)
+            if s.not_sent is not None:
+                error_class, message, request_id, owner = s.not_sent
+                conn.execute(
+                    insert(attempts).values(
+                        operation_pk=s.pk,
+                        number=row.attempts_total,
+                        request_id=request_id,
+                        dispatcher_id=owner,
+                        lease_token=s.lease_token,
+                        started_at=now_ms,
+                        lease_until=now_ms,
+                        finished_at=now_ms,
+                        delivery=Delivery.NOT_SENT.value,
+                        counted=False,
+                        error_class=error_class,
+                        error_message=message,
+                        duration_ms=0,
+                    )
+                )
+        return written
+
+    def release(
+        self,
+        *,
+        token: str,
+        now_ms: int,
+        pks: Sequence[int],
+        delay_ms: int = 0,
+        last_error: str | None = None,
+    ) -> int:
+        """Give back claimed operations without an attempt, due again after ``delay_ms``.
+
+        ``last_error`` says why they could not be sent (shown to operators, counted by
+        ``status``); it is cleared by the next attempt. With it, the retry window starts
+        now if it has not started: an operation no dispatcher can send still ends.
+        """
+        if not pks:
+            return 0
+        with self.write() as conn:
+            return self._release_on(conn, token=token, now_ms=now_ms, pks=pks,
+                                    delay_ms=delay_ms, last_error=last_error)  # fmt: skip
+
+    def _release_on(
+        self,
+        conn: Connection,
+        *,
+        token: str,
+        now_ms: int,
+        pks: Sequence[int],
+        delay_ms: int,
+        last_error: str | None,
+    ) -> int:
+        extra: dict[str, Any] = {}
+        if last_error is not None:
+            extra = {
+                "last_error": last_error,
+                "window_started_at": func.coalesce(operations.c.window_started_at, now_ms),
+            }
+        return conn.execute(
+            update(operations)
+            .where(operations.c.id.in_(list(pks)), operations.c.lease_token == token)
+            .values(
+                state=State.PENDING.value,
+                **extra,
+                next_attempt_at=now_ms + delay_ms,
+                lease_token=None,
+                lease_owner=None,
+                lease_until=None,
+                updated_at=now_ms,
+            )
+        ).rowcount
+
+
+__all__ = ["DispatchQueries"]
