@@ -12,8 +12,9 @@ log); with it, a dispatcher logs ``failpoints_armed`` at warning level when it s
 
 Points: ``after_claim`` (the claim and its attempt rows committed, in one transaction;
 nothing of the batch sent yet), ``after_attempt_commit`` (per attempt, before its lease
-check and send), ``after_response`` (before the outcome commit), ``after_outcome``. With the variable unset and no callback
-registered, ``hit`` is one truth test of an empty dict.
+check and send), ``after_response`` (before the outcome commit), ``after_outcome``.
+With the variable unset and no callback registered, ``hit`` is one truth test of an
+empty dict.
 
 Two more variables, for soaks that must account for what fired in processes they kill:
 

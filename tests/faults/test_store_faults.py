@@ -9,7 +9,6 @@ anyone else.
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import threading
 import time
