@@ -118,15 +118,13 @@ class Prober:
                 else ex.error_text()
             )
             return Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
+        # The body is decoded: keep the headers without its framing (Content-Encoding
+        # would have a later reading decode it again).
+        read = ex.readable(ex.body.head)
         return Probe(
-            key,
-            request_id,
-            ex.status,
-            ex.body.head,
-            ex.headers,
-            None,
+            key, request_id, read.status_code, read.content, read.headers, None,
             self.endpoint.request_id_header,
-        )
+        )  # fmt: skip
 
     async def lookup(self, key: str) -> LookupResult | None:
         if self.endpoint.status_lookup is None:

@@ -1,0 +1,36 @@
+"""A probe's answer as the checker keeps it: decoded once, readable again."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import httpx
+
+from outbox import Endpoint
+from outbox.checker.probes import Probe, Prober, reading
+from outbox.model import Verdict
+from outbox.transport import build_client
+
+
+def _gzipped(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(
+        201,
+        headers={"Content-Encoding": "gzip", "X-Request-ID": request.headers["X-Request-ID"]},
+        content=gzip.compress(b'{"effect_id": 7}'),
+    )
+
+
+def test_a_gzipped_answer_is_kept_decoded_and_read_without_decoding_it_again() -> None:
+    endpoint = Endpoint(name="rx", base_url="http://rx.example", probe_safe=True)
+
+    async def send() -> Probe:
+        async with build_client(endpoint, httpx.MockTransport(_gzipped)) as client:
+            prober = Prober(client, endpoint, method="POST", path="/orders", tenant="")
+            return await prober.send("outbox-probe-k1", b"{}")
+
+    probe = asyncio.run(send())
+    assert (probe.status, probe.error) == (201, None)
+    assert probe.result == '{"effect_id":7}'
+    assert probe.echoed_request_id == probe.request_id
+    assert reading(probe) is Verdict.SUCCESS
