@@ -29,7 +29,6 @@ from outbox.outcomes import (
     Work,
     attempt_outcome,
     default_dispatcher_id,
-    json_headers,
     not_sent_outcome,
     transition_event,
     unsendable_settlement,
@@ -454,7 +453,7 @@ class Dispatcher:
                 return
             headers = request_headers(
                 endpoint,
-                stored_headers=json_headers(c.headers_json),
+                stored_headers=c.headers,
                 operation_id=c.operation_id,
                 request_id=started.request_id,
                 tenant=c.tenant,
@@ -471,7 +470,7 @@ class Dispatcher:
                 headers=headers,
                 body=c.body.encode("utf-8") if c.body is not None else None,
                 now_ms=self.clock.now_ms,
-                public_headers=json_headers(c.headers_json),
+                public_headers=c.headers,
                 secret_headers=self._secret_headers,
             )
             self._observe.attempt_sent(traced, result)

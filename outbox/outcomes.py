@@ -4,7 +4,6 @@ operation no dispatcher can send, and the summary of a run."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import uuid
@@ -80,11 +79,6 @@ def default_dispatcher_id() -> str:
 NOT_TRIED = frozenset(
     {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
 )
-
-
-def json_headers(text: str) -> dict[str, str]:
-    value = json.loads(text)
-    return {str(k): str(v) for k, v in value.items()}
 
 
 def unsendable_window_end(c: Claimed, now: int) -> int:

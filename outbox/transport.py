@@ -106,7 +106,7 @@ def _stored_result(
                 stored = json.dumps(text)
     return StoredResult(
         status=response.status_code,
-        headers_json=json.dumps(_evidence_headers(endpoint, response, redactor), sort_keys=True),
+        headers=_evidence_headers(endpoint, response, redactor),
         body=stored,
         sha256=body.sha256,
         size=body.size,

@@ -25,7 +25,7 @@ from outbox.store.records import (
     Settlement,
     StartedAttempt,
 )
-from outbox.store.rows import policy_columns
+from outbox.store.rows import headers_from_text, headers_text, policy_columns
 from outbox.store.statements import _ATTEMPT_OUTCOME, _outcome_update
 from outbox.store.tables import attempts, operations
 
@@ -144,7 +144,7 @@ class DispatchQueries:
                 endpoint=r.endpoint,
                 method=r.method,
                 path=r.path,
-                headers_json=r.headers,
+                headers=headers_from_text(r.headers),
                 body=r.body,
                 attempts_counted=r.attempts_counted,
                 attempts_total=r.attempts_total,
@@ -329,7 +329,7 @@ class DispatchQueries:
                 if out.result is not None:
                     params.update(
                         b_rstatus=out.result.status,
-                        b_rheaders=out.result.headers_json,
+                        b_rheaders=headers_text(out.result.headers),
                         b_rbody=out.result.body,
                         b_rsha=out.result.sha256,
                         b_rsize=out.result.size,

@@ -19,7 +19,8 @@ class Claimed:
     endpoint: str
     method: str
     path: str
-    headers_json: str
+    #: The operation's stored request headers (never credentials).
+    headers: dict[str, str]
     body: str | None
     attempts_counted: int
     attempts_total: int
@@ -59,7 +60,8 @@ class StartedAttempt:
 @dataclass(frozen=True, slots=True)
 class StoredResult:
     status: int
-    headers_json: str
+    #: The endpoint's evidence headers of the response (credentials redacted).
+    headers: dict[str, str]
     body: str | None
     #: None: the body was not read to the end (over the read limit); ``size`` is then
     #: a lower bound.

@@ -36,6 +36,17 @@ class AuditRecord:
     at_ms: int
 
 
+def headers_from_text(text: str | None) -> dict[str, str]:
+    """Stored headers (a JSON object, or NULL for none) as a dict of strings."""
+    value = json.loads(text) if text else {}
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def headers_text(headers: dict[str, str]) -> str:
+    """Headers as stored: a JSON object, names sorted."""
+    return json.dumps(headers, sort_keys=True)
+
+
 def operation_row(
     *,
     tenant: str,
@@ -126,7 +137,7 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         body: Any = json.loads(r.result_body) if r.result_body is not None else None
         result = Result(
             status_code=r.result_status,
-            headers=json.loads(r.result_headers or "{}"),
+            headers=headers_from_text(r.result_headers),
             body=body,
             body_sha256=r.result_sha256,
             body_size=r.result_size or 0,
@@ -139,7 +150,7 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         endpoint=r.endpoint,
         method=r.method,
         path=r.path,
-        headers=json.loads(r.headers),
+        headers=headers_from_text(r.headers),
         body=json.loads(r.body) if r.body is not None else None,
         state=State(r.state),
         reason=Reason(r.reason) if r.reason else None,
