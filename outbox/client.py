@@ -268,19 +268,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         now = self.clock.now_ms()
         traceparent = self._traceparent()
         inserted = self.store.insert_operations(
-            conn,
-            [
-                operation_row(
-                    tenant=tenant,
-                    operation_id=op_id,
-                    args=args,
-                    ordering_key=ordering_key,
-                    now_ms=now,
-                    traceparent=traceparent,
-                    policy=self._endpoints[args.endpoint].policy_snapshot(),
-                )
-                for op_id, tenant, ordering_key, args in checked
-            ],
+            conn, [self._row(c, now=now, traceparent=traceparent) for c in checked]
         )
         ops: list[Operation] = []
         created: list[Key] = []
@@ -362,6 +350,21 @@ class Outbox(AsyncMethods, TransactionMethods):
             policy=self._endpoints[args.endpoint].policy_snapshot(),
         )
 
+    def _row(
+        self, checked: tuple[str, str, str | None, Any], *, now: int, traceparent: str | None
+    ) -> dict[str, Any]:
+        """The row of a new pending operation, with the endpoint's policy snapshot."""
+        op_id, tenant, ordering_key, args = checked
+        return operation_row(
+            tenant=tenant,
+            operation_id=op_id,
+            args=args,
+            ordering_key=ordering_key,
+            now_ms=now,
+            traceparent=traceparent,
+            policy=self._endpoints[args.endpoint].policy_snapshot(),
+        )
+
     def _insert_checked(
         self, conn: Connection, op_id: str, tenant: str, ordering_key: str | None, args: Any
     ) -> Operation:
@@ -372,16 +375,9 @@ class Outbox(AsyncMethods, TransactionMethods):
     ) -> tuple[Operation, bool]:
         """The operation, and whether this call created it (False: it was stored before)."""
         now = self.clock.now_ms()
-        inserted = self.store.insert_operation(
-            conn,
-            tenant=tenant,
-            operation_id=op_id,
-            args=args,
-            ordering_key=ordering_key,
-            now_ms=now,
-            traceparent=self._traceparent(),
-            policy=self._endpoints[args.endpoint].policy_snapshot(),
-        )
+        row = self._row((op_id, tenant, ordering_key, args), now=now,
+                        traceparent=self._traceparent())  # fmt: skip
+        inserted = self.store.insert_operation(conn, row)
         if inserted.created:
             return self._new_operation(
                 inserted.pk,

@@ -9,12 +9,10 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from outbox.canonical import CanonicalArgs
 from outbox.errors import NotStoredError, StoreError
 from outbox.model import (
     Attempt,
     Operation,
-    PolicySnapshot,
     State,
 )
 from outbox.store.dispatching import DispatchQueries
@@ -26,7 +24,6 @@ from outbox.store.records import (
 from outbox.store.rows import (
     attempt_from_row,
     operation_from_row,
-    operation_row,
 )
 from outbox.store.statements import (
     DUE,
@@ -103,36 +100,18 @@ class Store(OperatorQueries, DispatchQueries):
         """INSERT INTO operations ... ON CONFLICT (tenant, operation_id) DO NOTHING."""
         raise NotImplementedError
 
-    def insert_operation(
-        self,
-        conn: Connection,
-        *,
-        tenant: str,
-        operation_id: str,
-        args: CanonicalArgs,
-        ordering_key: str | None,
-        now_ms: int,
-        traceparent: str | None = None,
-        policy: PolicySnapshot | None = None,
-    ) -> InsertResult:
-        """Insert a pending operation, or find the one already stored under the key.
+    def insert_operation(self, conn: Connection, values: dict[str, Any]) -> InsertResult:
+        """Insert a pending operation (``values``: see :func:`operation_row`), or find the
+        one already stored under its key.
 
         Atomic under concurrency: the unique (tenant, operation_id) constraint decides
         the winner; the loser reads the winner's row and writes nothing.
         """
-        values = operation_row(
-            tenant=tenant,
-            operation_id=operation_id,
-            args=args,
-            ordering_key=ordering_key,
-            now_ms=now_ms,
-            traceparent=traceparent,
-            policy=policy,
-        )
+        tenant, operation_id = values["tenant"], values["operation_id"]
         try:
             pk = conn.execute(self._insert_one, values).scalar()
             if pk is not None:
-                return InsertResult(pk=pk, created=True, args_sha256=args.args_sha256)
+                return InsertResult(pk=pk, created=True, args_sha256=values["args_sha256"])
             row = conn.execute(
                 select(operations.c.id, operations.c.args_sha256).where(
                     operations.c.tenant == tenant, operations.c.operation_id == operation_id
