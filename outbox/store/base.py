@@ -16,6 +16,7 @@ from outbox.model import (
     State,
 )
 from outbox.store.dispatching import DispatchQueries
+from outbox.store.marker import note_marker, returning_columns
 from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
     InsertResult,
@@ -44,7 +45,7 @@ class Store(OperatorQueries, DispatchQueries):
         # Built once, run with parameters: building an INSERT with literal .values() costs
         # SQLAlchemy more than the database spends on it (each value coerced and hashed
         # into a cache key, on every call).
-        wake = self._insert_wakes()
+        wake = (*self._insert_wakes(), *returning_columns(engine.dialect.name))
         self._insert_one = self._insert_ignoring_duplicate().returning(operations.c.id, *wake)
         self._insert_many = self._insert_ignoring_duplicate().returning(
             operations.c.id, operations.c.tenant, operations.c.operation_id, *wake
@@ -109,9 +110,12 @@ class Store(OperatorQueries, DispatchQueries):
         """
         tenant, operation_id = values["tenant"], values["operation_id"]
         try:
-            pk = conn.execute(self._insert_one, values).scalar()
-            if pk is not None:
-                return InsertResult(pk=pk, created=True, args_sha256=values["args_sha256"])
+            inserted = conn.execute(self._insert_one, values).first()
+            if inserted is not None:
+                note_marker(conn, inserted)
+                return InsertResult(
+                    pk=inserted.id, created=True, args_sha256=values["args_sha256"]
+                )
             row = conn.execute(
                 select(operations.c.id, operations.c.args_sha256).where(
                     operations.c.tenant == tenant, operations.c.operation_id == operation_id
@@ -129,8 +133,9 @@ class Store(OperatorQueries, DispatchQueries):
         if not rows:
             return {}
         try:
-            result = conn.execute(self._insert_many, list(rows))
-            return {(r.tenant, r.operation_id): r.id for r in result}
+            inserted = conn.execute(self._insert_many, list(rows)).all()
+            note_marker(conn, inserted[0] if inserted else None)
+            return {(r.tenant, r.operation_id): r.id for r in inserted}
         except DBAPIError as exc:
             raise NotStoredError(f"the operations were not stored: {exc.orig}") from exc
 

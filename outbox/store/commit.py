@@ -31,6 +31,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError, StoreError, StoreOutcomeUnknown
+from outbox.store.marker import close_slot, open_slot
 from outbox.store.records import TxStatus
 from outbox.store.tables import operations
 
@@ -78,11 +79,17 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
     except DBAPIError as exc:
         raise _not_stored(exc) from exc
     marker: str | None = None
+    slot: dict[Any, Any] = {}
     try:
         try:
             conn.begin()
-            marker = store.transaction_marker(conn)
+            slot = open_slot(conn)
             result, created = work(conn)
+            marker = close_slot(slot)
+            if created and marker is None:
+                # The INSERT did not report its transaction (a store without markers on
+                # RETURNING): ask, at the cost of a round trip.
+                marker = store.transaction_marker(conn)
         except NotStoredError:
             raise
         except (DBAPIError, StoreError) as exc:
@@ -94,6 +101,7 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
         else:
             return result
     finally:
+        close_slot(slot)
         # Closing rolls back whatever is still open; on a dead connection it discards it.
         # After this, the failed transaction can no longer commit from this side.
         try:

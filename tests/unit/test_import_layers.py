@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "outbox.store.rows",
             "outbox.store.statements",
             "outbox.store.changes",
+            "outbox.store.marker",
         ),
     ),
     (
