@@ -37,8 +37,9 @@ def _current(conn: Connection) -> str:
 def test_the_insert_reports_its_own_transaction(ob: Outbox) -> None:
     with ob.engine.connect() as conn, conn.begin():
         slot = marker.open_slot(conn)
-        ob.store.insert_operation(conn, operation_row(
-            tenant="", operation_id="op-1", args=_args(1), ordering_key=None, now_ms=0))  # fmt: skip
+        row = operation_row(tenant="", operation_id="op-1", args=_args(1), ordering_key=None,
+                            now_ms=0)  # fmt: skip
+        ob.store.insert_operation(conn, row)
         reported = marker.close_slot(slot)
         assert reported is not None and reported == _current(conn)
 
