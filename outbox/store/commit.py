@@ -67,13 +67,41 @@ def _not_stored(exc: BaseException) -> NotStoredError:
     return NotStoredError(f"the operation was not stored: {detail}")
 
 
+class _LostBeforeCommit(Exception):
+    """The connection turned out dead before COMMIT was sent: nothing is stored."""
+
+    def __init__(self, error: DBAPIError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
     """Run ``work`` in a write transaction of its own and commit it.
 
     ``work`` returns its result and the keys of the operations it *created* (not those
     it found already stored). Failures before COMMIT raise ``NotStoredError``; a failed
     COMMIT is resolved as described in the module docstring.
+
+    A pooled connection found dead before COMMIT was sent (the server restarted or the
+    network cut it since it was last used; see ``outbox.store.liveness``) is retried
+    once on a fresh connection: without a COMMIT nothing can have been stored.
     """
+    try:
+        return _write_once(store, work)
+    except _LostBeforeCommit as lost:
+        _logger().info(
+            "enqueue_connection_replaced",
+            error=type(lost.error.orig or lost.error).__name__,
+            detail="the pooled connection was dead before COMMIT; nothing was stored; "
+            "writing again on a fresh connection",
+        )
+    try:
+        return _write_once(store, work)
+    except _LostBeforeCommit as lost:
+        raise _not_stored(lost.error) from lost.error
+
+
+def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
     try:
         conn = store.engine.connect()
     except DBAPIError as exc:
@@ -90,9 +118,13 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
                 # The INSERT did not report its transaction (a store without markers on
                 # RETURNING): ask, at the cost of a round trip.
                 marker = store.transaction_marker(conn)
-        except NotStoredError:
-            raise
         except (DBAPIError, StoreError) as exc:
+            # The store names its own failures NotStoredError, the driver's error as cause.
+            cause = exc if isinstance(exc, DBAPIError) else exc.__cause__
+            if isinstance(cause, DBAPIError) and cause.connection_invalidated:
+                raise _LostBeforeCommit(cause) from cause
+            if isinstance(exc, NotStoredError):
+                raise
             raise _not_stored(exc) from exc
         try:
             conn.commit()

@@ -16,6 +16,7 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError, SchemaError, StoreError
+from outbox.store.liveness import ping_when_idle
 from outbox.store.revisions import VERSION_TABLE, check_known
 from outbox.store.tables import attach_postgresql_options
 from outbox.store.writelock import track
@@ -186,7 +187,9 @@ def create_engine(
     kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "postgresql":
         attach_postgresql_options()
-        kwargs.setdefault("pool_pre_ping", True)
+        # A pooled connection is pinged once it sat idle, not on every checkout
+        # (outbox.store.liveness); pool_pre_ping=True asks for SQLAlchemy's ping instead.
+        ping_idle = "pool_pre_ping" not in kwargs
         connect_args = {
             key: value for key, value in PG_CONNECT_DEFAULTS.items() if key not in parsed.query
         }
@@ -198,6 +201,8 @@ def create_engine(
             options = f"{options} -csearch_path={check_schema_name(schema)}".strip()
             connect_args["options"] = options
         engine = sa_create_engine(parsed, connect_args=connect_args, **kwargs)
+        if ping_idle:
+            ping_when_idle(engine)
         if schema is not None:
             _SCHEMAS[engine] = schema
         if statement_timeout_ms is not None and "statement_timeout" not in str(

@@ -130,10 +130,27 @@ def test_enqueue_many_resolves_a_lost_commit_for_the_whole_batch(
 
 
 def test_failure_before_commit_is_not_stored(ob: Outbox, proxy: PgProxy, migrated: str) -> None:
-    """The INSERT itself is cut: provably nothing stored, no look-up needed."""
-    proxy.cut_on(b"cut-at-insert")
+    """The INSERT itself is cut, on the first connection and on the fresh one enqueue
+    tries next: provably nothing stored, no look-up needed."""
+    proxy.cut_on(b"cut-at-insert", every=True)
     with outbox_events() as logs, pytest.raises(NotStoredError):
         _enqueue(ob, "cut-at-insert")
     assert proxy.cut_done.is_set()
+    assert len(logs.named("enqueue_connection_replaced")) == 1
     assert logs.named("enqueue_commit_failed") == []
     assert _rows(migrated) == []
+
+
+def test_a_connection_lost_before_commit_is_written_again_once(
+    ob: Outbox, proxy: PgProxy, migrated: str
+) -> None:
+    """The INSERT is cut once: no COMMIT was sent, so nothing can be stored; enqueue
+    writes again on a fresh connection and returns the operation, stored once."""
+    proxy.cut_on(b"cut-once")
+    with outbox_events() as logs:
+        op = _enqueue(ob, "cut-once")
+    assert proxy.cut_done.is_set()
+    assert op.operation_id == "cut-once"
+    assert len(logs.named("enqueue_connection_replaced")) == 1
+    assert logs.named("enqueue_commit_failed") == []
+    assert _rows(migrated) == [("cut-once", "pending")]

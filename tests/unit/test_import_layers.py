@@ -71,6 +71,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "store: engines and schema",
         (
             "outbox.store.writelock",
+            "outbox.store.liveness",
             "outbox.store.revisions",
             "outbox.store.engine",
             "outbox.store.migrate",
