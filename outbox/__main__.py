@@ -46,12 +46,15 @@ def main() -> NoReturn:
     else:
         print(code, file=sys.stderr)
         status = 1
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BrokenPipeError:
-        # The reader left (`outbox reconcile list | head`): say nothing more.
-        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except OSError:
+            # The reader left (`outbox reconcile list | head`) or the file cannot take
+            # more: nothing more can be said on that stream.
+            if status == 0:
+                status = 1
     os._exit(status)
 
 

@@ -5,9 +5,9 @@ enqueue of its own transaction, on top of BEGIN, INSERT and COMMIT. A connection
 back to the pool a moment ago was alive a moment ago; one that sat idle may since have
 been cut (a server restart, a failover, a firewall's idle timeout). So a connection idle
 for :data:`PING_AFTER_IDLE_SECONDS` or more is pinged when it is checked out, and a dead
-one is replaced before anyone uses it (the checkout event raises
-``DisconnectionError``: the pool discards the connection and checks out another, as it
-does with ``pool_pre_ping``).
+one is replaced before anyone uses it, with every other connection of that pool made
+before it (the checkout event raises ``InvalidatePoolError``: the pool discards them and
+checks out a fresh connection, as it does with ``pool_pre_ping``).
 
 What that gives up: a connection cut within the last second is found dead by its next
 statement instead. enqueue's own transaction retries once, on a fresh connection, when
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from sqlalchemy import Engine, event
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import InvalidatePoolError
 
 #: A pooled connection idle this long (seconds) is pinged before it is used again.
 PING_AFTER_IDLE_SECONDS = 1.0
@@ -51,5 +51,7 @@ def ping_when_idle(engine: Engine) -> None:
             dialect.do_ping(dbapi_connection)
         except dialect.loaded_dbapi.Error as exc:
             if dialect.is_disconnect(exc, dbapi_connection, None):
-                raise DisconnectionError(f"pooled connection found dead: {exc}") from exc
+                # Every connection made before now goes (the server they knew is gone,
+                # as pool_pre_ping does); the pool checks out a fresh one.
+                raise InvalidatePoolError(f"pooled connection found dead: {exc}") from exc
             raise
