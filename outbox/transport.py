@@ -365,10 +365,11 @@ async def send_attempt(
         )
     assert ex.request is not None and ex.response is not None and ex.body is not None
     response, received = ex.response, ex.body
-    # A receiver may echo request headers: never keep the credentials it echoes.
+    # A receiver may echo request headers: never keep the credentials it echoes. Those
+    # of the request that went out: an httpx.Auth may have sent one of its own making.
     redactor = Redactor(
         secrets_sent(
-            ex.request.headers.multi_items(),
+            _sent_request(ex.request, response).headers.multi_items(),
             public=[*public_headers, endpoint.idempotency_header, endpoint.request_id_header,
                     *([endpoint.tenant_header] if endpoint.tenant_header else [])],
             secret_names=secret_headers,
@@ -425,3 +426,12 @@ __all__ = [
     "request_headers",
     "send_attempt",
 ]
+
+
+def _sent_request(built: httpx.Request, response: httpx.Response) -> httpx.Request:
+    """The request that went out: the response's, when httpx recorded it (an auth flow
+    may replace the request it was given), else the one built."""
+    try:
+        return response.request
+    except RuntimeError:  # sent straight through the transport: the built one went out
+        return built

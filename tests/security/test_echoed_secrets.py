@@ -36,6 +36,16 @@ class _Signer(httpx.Auth):
         yield request
 
 
+class _NewRequestSigner(httpx.Auth):
+    """A signing auth that sends a request of its own making, not the one it was given:
+    the signature exists only on the request that went out."""
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        headers = {**request.headers, "X-Signature": SIGNATURE}
+        yield httpx.Request(request.method, request.url, headers=headers,
+                            content=request.content)  # fmt: skip
+
+
 def _forms(secret: str) -> list[bytes]:
     escaped_u = "".join(f"\\u{ord(c):04x}" for c in secret)
     return [secret.encode(), secret.replace("/", "\\/").encode(), escaped_u.encode(),
@@ -49,12 +59,15 @@ def echo() -> Iterator[str]:
         yield url
 
 
-@pytest.mark.parametrize("auth_kind", ["callable", "httpx-auth"])
+@pytest.mark.parametrize("auth_kind", ["callable", "httpx-auth", "httpx-auth-new-request"])
 def test_echoed_credentials_are_redacted_in_every_stored_form(
     auth_kind: str, db_url: str, echo: str
 ) -> None:
-    auth: object = (lambda: {"Authorization": f"Bearer {BEARER}"}) if auth_kind == "callable" \
-        else _Signer()  # fmt: skip
+    auth: object = {
+        "callable": lambda: {"Authorization": f"Bearer {BEARER}"},
+        "httpx-auth": _Signer(),
+        "httpx-auth-new-request": _NewRequestSigner(),
+    }[auth_kind]
     endpoint = Endpoint(
         name="rx", base_url=echo, timeout=5.0, headers={"X-Api-Key": API_KEY},
         retry=RetryPolicy(max_attempts=1, window=timedelta(minutes=5), wait=wait_fixed(1)),
