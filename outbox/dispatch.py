@@ -286,7 +286,7 @@ class Dispatcher:
             problem = (
                 self._not_registered(c.endpoint)
                 if endpoint is None
-                else endpoint.tenant_problem(c.tenant, c.operation_id)
+                else c.problem or endpoint.tenant_problem(c.tenant, c.operation_id)
             )
             if problem is not None or endpoint is None:
                 assert problem is not None

@@ -25,7 +25,7 @@ from outbox.store.records import (
     Settlement,
     StartedAttempt,
 )
-from outbox.store.rows import headers_from_text, headers_text, policy_columns
+from outbox.store.rows import headers_text, policy_columns, stored_headers
 from outbox.store.statements import _ATTEMPT_OUTCOME, _outcome_update
 from outbox.store.tables import attempts, operations
 
@@ -136,6 +136,7 @@ class DispatchQueries:
             "updated_at": now_ms,
         }
         rows = conn.execute(self._claim_statement(now_ms=now_ms, limit=limit, values=values)).all()
+        headers = {r.id: stored_headers(r.headers) for r in rows}
         claimed = [
             Claimed(
                 pk=r.id,
@@ -144,7 +145,7 @@ class DispatchQueries:
                 endpoint=r.endpoint,
                 method=r.method,
                 path=r.path,
-                headers=headers_from_text(r.headers),
+                headers=headers[r.id][0],
                 body=r.body,
                 attempts_counted=r.attempts_counted,
                 attempts_total=r.attempts_total,
@@ -157,6 +158,7 @@ class DispatchQueries:
                 traceparent=r.traceparent,
                 attempts_in_progress=r.attempts_in_progress,
                 policy_window_ms=r.policy_window_ms,
+                problem=headers[r.id][1],
             )
             for r in rows
         ]

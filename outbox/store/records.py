@@ -36,6 +36,9 @@ class Claimed:
     attempts_in_progress: int = 0
     #: The retry window snapshotted at enqueue, if any (see ``policy_window_ms``).
     policy_window_ms: int | None = None
+    #: Why the row cannot be sent as stored (a column changed outside outbox), if so:
+    #: the dispatcher treats it as unsendable, like an unregistered endpoint.
+    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,25 @@ def headers_from_text(text: str | None) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
 
+def stored_headers(text: str | None) -> tuple[dict[str, str], str | None]:
+    """A row's stored headers, or none and why: one corrupt row (changed outside outbox)
+    must fail neither the claim of a whole batch nor an operator's look at it."""
+    try:
+        return headers_from_text(text), None
+    except (ValueError, AttributeError, TypeError):
+        return {}, "its stored headers are not a JSON object (changed outside outbox)"
+
+
+def _stored_body(text: str | None) -> Any:
+    """The stored JSON body; as the raw text if it no longer parses (changed outside)."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def headers_text(headers: dict[str, str]) -> str:
     """Headers as stored: a JSON object, names sorted."""
     return json.dumps(headers, sort_keys=True)
@@ -150,8 +169,8 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         endpoint=r.endpoint,
         method=r.method,
         path=r.path,
-        headers=headers_from_text(r.headers),
-        body=json.loads(r.body) if r.body is not None else None,
+        headers=stored_headers(r.headers)[0],
+        body=_stored_body(r.body),
         state=State(r.state),
         reason=Reason(r.reason) if r.reason else None,
         ordering_key=r.ordering_key,

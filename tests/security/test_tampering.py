@@ -101,3 +101,29 @@ def test_tampered_path_never_leaves_the_registered_origin(
         op = ob.get(f"t-{shape}-{i}")
         # Whatever happened, it happened at home (or nowhere).
         assert all(r.path.startswith("/api/") for r in home.requests(key=op.operation_id))
+
+
+@pytest.mark.parametrize("stored", ["not json", '["a", "list"]', '{"x": {"nested": 1}'])
+def test_corrupt_stored_headers_hold_that_row_and_never_the_batch(
+    ob: Outbox, home: Receiver, other: Receiver, stored: str
+) -> None:
+    """Headers changed outside outbox into something that is not a JSON object: that one
+    operation is held back (not sent, reason kept) and the rest of the batch goes out;
+    once its window has closed it is unresolved with a not-sent attempt as evidence."""
+    _tamper(ob, "t-headers", headers=stored)
+    ob.enqueue(endpoint="rx", method="POST", path="/orders", json={"n": 1},
+               operation_id="t-fine")  # fmt: skip
+    summary = ob.dispatch_once()
+    assert summary.claimed == 2 and summary.succeeded == 1
+    assert [r.key for r in home.requests()] == ["t-fine"]
+    held = ob.get("t-headers")
+    assert held.state is State.PENDING and held.attempts == ()
+    assert held.last_error is not None and "stored headers" in held.last_error
+    assert isinstance(ob.clock, FakeClock)
+    ob.clock.advance(timedelta(minutes=6).total_seconds())
+    ob.dispatch_once()
+    settled = ob.get("t-headers")
+    assert settled.state is State.UNRESOLVED
+    (attempt,) = settled.attempts
+    assert attempt.delivery.value == "not_sent" and attempt.error_class == "OperationUnsendable"
+    assert [r.key for r in home.requests()] == ["t-fine"] and other.requests() == []
