@@ -2,7 +2,9 @@
 
 One asyncio loop sends; one database thread runs the short store transactions, so no
 transaction is ever open while a request is on the wire. Outcomes are written in
-batches by a single writer task, each write fenced on the claim's lease token.
+batches by a single writer task, each write fenced on the claim's lease token. While
+the claim loop waits for free slots, the writer takes its next claim in the transaction
+that writes the outcomes freeing them (one COMMIT instead of two).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -19,7 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import failpoints, heartbeat
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
-from outbox.dbthread import DatabaseUnresponsive, DbThread, write_while_leased
+from outbox.dbthread import DatabaseUnresponsive, DbThread, error_detail, write_while_leased
 from outbox.errors import StoreError
 from outbox.logs import get_logger
 from outbox.model import ErrorClass, State
@@ -30,13 +33,15 @@ from outbox.outcomes import (
     attempt_outcome,
     default_dispatcher_id,
     not_sent_outcome,
+    plan_claimed,
     transition_event,
-    unsendable_settlement,
-    unsendable_window_end,
 )
-from outbox.policy import reason_from_history
 from outbox.store.base import Store
-from outbox.store.records import AttemptOutcome, Claimed, ClaimPlan, Release, Settlement
+from outbox.store.records import (
+    AttemptOutcome,
+    Claimed,
+    ClaimResult,
+)
 from outbox.transport import build_client, request_headers, send_attempt
 from outbox.unresolved import OnUnresolved, UnresolvedLookups
 from outbox.wakeup import Wakeup
@@ -53,10 +58,20 @@ __all__ = ["DispatchSummary", "Dispatcher", "OnUnresolved", "TransportFactory"]
 
 #: How often a dispatcher re-reads the database server's clock (PostgreSQL).
 _CLOCK_SYNC_SECONDS = 30.0
-#: An operation naming an endpoint this dispatcher does not know is put back for this long.
-_UNKNOWN_ENDPOINT_DELAY_MS = 60_000
 #: The longest wait between claims while the database refuses them.
 _MAX_STORE_BACKOFF_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class _ClaimArgs:
+    """One claim's arguments for the store and what its accounting needs after it."""
+
+    kwargs: dict[str, Any]
+    token: str
+    now: int
+    claim_ns: int
+    claimed_mono: float
+    refused: list[tuple[Claimed, str]]
 
 
 class Dispatcher:
@@ -90,6 +105,13 @@ class Dispatcher:
         self._db = DbThread()
         self._outcomes: asyncio.Queue[AttemptOutcome | None] = asyncio.Queue()
         self._inflight = 0
+        #: Slots held by a claim the outcome writer is making (see _write_outcomes).
+        self._claiming = 0
+        self._no_claim = asyncio.Event()  # set while the writer makes no claim
+        self._no_claim.set()
+        #: The claim loop waits for free slots: the outcome writer may claim for it.
+        self._parked = False
+        self._pipelined: asyncio.Event | None = None
         self._capacity = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         # pk -> the names the log binds, for the operations this dispatcher holds.
@@ -124,6 +146,18 @@ class Dispatcher:
         result = await self._db.run(fn, **kwargs)
         self.db_answered_at = time.monotonic()
         return result
+
+    @property
+    def _low_water(self) -> int:
+        """Claim only when at least this many slots are free."""
+        return max(1, min(self.settings.batch_size, self.settings.concurrency) // 4)
+
+    def _start(self, works: list[Work]) -> None:
+        for work in works:
+            self._inflight += 1
+            task = asyncio.create_task(self._attempt(work))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     @property
     def in_flight(self) -> int:
@@ -180,6 +214,8 @@ class Dispatcher:
                               "is not; no failpoint is armed")
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
+        # The writer claims with its outcome writes only while the loop runs on.
+        self._pipelined = None if once else stop
         if not once:
             await self.wakeup.start()
         self._log.info(
@@ -191,11 +227,14 @@ class Dispatcher:
         backoff = 0.0
         try:
             while not stop.is_set():
-                free = self.settings.concurrency - self._inflight
-                low_water = max(1, min(self.settings.batch_size, self.settings.concurrency) // 4)
-                if free < low_water:
+                free = self.settings.concurrency - self._inflight - self._claiming
+                if free < self._low_water:
                     self._capacity.clear()
-                    await _wait_any(self._capacity, stop, timeout=1.0)
+                    self._parked = True
+                    try:
+                        await _wait_any(self._capacity, stop, timeout=1.0)
+                    finally:
+                        self._parked = False
                     continue
                 try:
                     await self._maybe_sync_clock()
@@ -216,11 +255,7 @@ class Dispatcher:
                     await _wait_any(stop, timeout=backoff)
                     continue
                 backoff = 0.0
-                for work in started:
-                    self._inflight += 1
-                    task = asyncio.create_task(self._attempt(work))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                self._start(started)
                 if on_progress is not None:
                     on_progress(self.summary)
                 if once:
@@ -237,7 +272,9 @@ class Dispatcher:
         finally:
             await self.wakeup.close()
             # Graceful stop: no new claims; requests on the wire finish (each bounded by
-            # its deadline) and their outcomes are written before we return.
+            # its deadline) and their outcomes are written before we return. A claim the
+            # outcome writer has under way is committed: its work starts first.
+            await self._no_claim.wait()
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._outcomes.put(None)
@@ -271,90 +308,46 @@ class Dispatcher:
             )
         return self.summary
 
-    def _plan(
-        self, claimed: list[Claimed], *, token: str, now: int, refused: list[tuple[Claimed, str]]
-    ) -> ClaimPlan:
-        """Decide about a claimed batch, inside the claim's transaction (on the database
-        thread: no I/O, no logging; the operations this dispatcher must not send are
-        added to ``refused`` for the log). Every check that decides whether a request
-        may go out happens here, before its attempt row is written."""
-        send: dict[int, str] = {}
-        settlements: list[Settlement] = []
-        unsendable: dict[str, list[Claimed]] = {}
-        for c in claimed:
-            endpoint = self.endpoints.get(c.endpoint)
-            problem = (
-                self._not_registered(c.endpoint)
-                if endpoint is None
-                else c.problem or endpoint.tenant_problem(c.tenant, c.operation_id)
-            )
-            if problem is not None or endpoint is None:
-                assert problem is not None
-                refused.append((c, problem))
-                settlement = unsendable_settlement(
-                    c, token, now, problem, registered=endpoint is not None,
-                    dispatcher_id=self.dispatcher_id,
-                )  # fmt: skip
-                if settlement is not None:
-                    settlements.append(settlement)
-                else:
-                    unsendable.setdefault(problem, []).append(c)
-                continue
-            deadline = endpoint.deadline_ms(
-                window_started_at_ms=c.window_started_at or now,
-                first_attempt_at_ms=c.first_attempt_at or now,
-            )
-            if c.attempts_total and (
-                now > deadline or c.attempts_counted >= endpoint.retry.max_attempts
-            ):
-                reason = reason_from_history(
-                    maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal
-                )
-                settlements.append(Settlement(c.pk, token, State.UNRESOLVED, reason))
-                continue
-            send[c.pk] = str(uuid.uuid4())
-        releases = [
-            Release(
-                pks=[c.pk for c in held],
-                delay_ms=max(1, min(_UNKNOWN_ENDPOINT_DELAY_MS,
-                                    max(unsendable_window_end(c, now) for c in held) - now + 1)),
-                last_error=problem,
-            )
-            for problem, held in unsendable.items()
-        ]  # fmt: skip
-        # Rows enqueued before policy snapshots get this endpoint's policy now, so
-        # operator tools can judge them without the application.
-        policies = {
-            c.pk: self.endpoints[c.endpoint].policy_snapshot()
-            for c in claimed
-            if c.policy_window_ms is None and c.endpoint in self.endpoints
-        }
-        return ClaimPlan(send=send, settlements=settlements, releases=releases, policies=policies)
-
-    async def _claim_and_start(self, limit: int) -> list[Work]:
+    def _claim_args(self, limit: int) -> _ClaimArgs:
         token = str(uuid.uuid4())
-        claim_ns = time.time_ns()
-        claimed_mono = self.clock.monotonic()
         now = self.clock.now_ms()
         refused: list[tuple[Claimed, str]] = []
+        return _ClaimArgs(
+            kwargs={
+                "owner": self.dispatcher_id,
+                "token": token,
+                "now_ms": now,
+                "lease_ms": int(self.lease_seconds * 1000),
+                "limit": limit,
+                "plan": lambda claimed: plan_claimed(
+                    claimed, endpoints=self.endpoints, dispatcher_id=self.dispatcher_id,
+                    token=token, now=now, refused=refused,
+                ),
+            },
+            token=token,
+            now=now,
+            claim_ns=time.time_ns(),
+            claimed_mono=self.clock.monotonic(),
+            refused=refused,
+        )
+
+    async def _claim_and_start(self, limit: int) -> list[Work]:
         # One transaction: the claim, the decisions about it and the attempt rows of
         # everything to send. It commits before any request of the batch goes out.
-        result = await self._run_db(
-            self.store.claim_and_begin,
-            owner=self.dispatcher_id,
-            token=token,
-            now_ms=now,
-            lease_ms=int(self.lease_seconds * 1000),
-            limit=limit,
-            plan=lambda claimed: self._plan(claimed, token=token, now=now, refused=refused),
-        )
+        args = self._claim_args(limit)
+        result = await self._run_db(self.store.claim_and_begin, **args.kwargs)
+        return await self._claimed(result, args)
+
+    async def _claimed(self, result: ClaimResult, args: _ClaimArgs) -> list[Work]:
+        """Account for a committed claim; the work to start (nothing is sent yet)."""
+        token, now, claimed_mono, refused = args.token, args.now, args.claimed_mono, args.refused
         claimed = result.claimed
         self._claimed_none = not claimed
         self.wakeup.after_claim(len(claimed))
         if not claimed:
             return []
         self.summary.claimed += len(claimed)
-        batch = self._observe.claimed(claimed, result.recovered, claim_ns)
+        batch = self._observe.claimed(claimed, result.recovered, args.claim_ns)
         self._log.debug("operations_claimed", count=len(claimed), lease_token=token)
         for rec in result.recovered:
             self.summary.recovered += 1
@@ -401,12 +394,6 @@ class Dispatcher:
                  self.lease_seconds, batch)
             for s in result.started
         ]  # fmt: skip
-
-    def _not_registered(self, name: str) -> str:
-        return (
-            f"endpoint {name!r} is not registered in dispatcher {self.dispatcher_id} "
-            f"(registered: {sorted(self.endpoints)}); never sent anywhere"
-        )
 
     async def _attempt(self, work: Work) -> None:
         c, endpoint, started = work.claimed, work.endpoint, work.started
@@ -513,7 +500,7 @@ class Dispatcher:
                     done = True
                     break
                 batch.append(item)
-            written = await self._record_outcomes(batch)
+            written, claim = await self._record_outcomes(batch)
             now = self.clock.now_ms()
             for out in batch:
                 self._observe.outcome(out, applied=out.pk in written, now_ms=now)
@@ -524,11 +511,61 @@ class Dispatcher:
                     self._lookups.maybe(out, self.endpoints.get(names.get("endpoint", "")), names)
             await failpoints.hit("after_outcome")
             self._release_slot(len(batch))
+            if claim is not None:
+                reserved, result, args = claim
+                works: list[Work] = []
+                try:
+                    works = await self._claimed(result, args)
+                except Exception as exc:
+                    # A bug or a failpoint: the batch's attempt rows stay open, its
+                    # leases expire and the next claim records them as unknown.
+                    self._log.exception("claim_crashed", error=type(exc).__name__)
+                self._start(works)
+                self._reserve(-reserved)
 
-    async def _record_outcomes(self, batch: list[AttemptOutcome]) -> set[int]:
-        """Write a batch of outcomes, retrying a transient database failure while a lease
-        of the batch still holds (see :func:`outbox.dbthread.write_while_leased`)."""
+    def _reserve(self, n: int) -> None:
+        """Hold (n > 0) or give back (n < 0) slots for a claim the writer makes."""
+        self._claiming += n
+        if self._claiming:
+            self._no_claim.clear()
+        else:
+            self._no_claim.set()
 
+    def _claim_with_outcomes(self, n: int) -> int:
+        """How many operations to claim in the transaction that writes ``n`` outcomes:
+        only while the claim loop is waiting for the slots these outcomes free (then the
+        claim it would make next joins their COMMIT), never after a stop, never once."""
+        if not self._parked or self._pipelined is None or self._pipelined.is_set():
+            return 0
+        free = self.settings.concurrency - self._inflight - self._claiming + n
+        return min(free, self.settings.batch_size) if free >= self._low_water else 0
+
+    async def _record_outcomes(
+        self, batch: list[AttemptOutcome]
+    ) -> tuple[set[int], tuple[int, ClaimResult, _ClaimArgs] | None]:
+        """Write a batch of outcomes, with the next claim when the loop waits for their
+        slots (one transaction). Alone, or if that transaction fails: retry a transient
+        database failure while a lease of the batch still holds (see
+        :func:`outbox.dbthread.write_while_leased`)."""
+        limit = self._claim_with_outcomes(len(batch))
+        if limit:
+            self._reserve(limit)
+            args = self._claim_args(limit)
+            self.wakeup.before_claim()
+            try:
+                written, result = await self._run_db(
+                    self.store.record_and_claim, outcomes=batch, **args.kwargs
+                )
+                return written, (limit, result, args)
+            except Exception as exc:
+                # Nothing of it was written (or, after a lost COMMIT, the claim's leases
+                # expire unused): write the outcomes alone, as below.
+                self._log.warning("outcome_claim_failed", error=type(exc).__name__,
+                                  detail=error_detail(exc))  # fmt: skip
+            self._reserve(-limit)
+        return await self._write_outcomes_alone(batch), None
+
+    async def _write_outcomes_alone(self, batch: list[AttemptOutcome]) -> set[int]:
         def lease_left() -> float:
             ends = (self._lease_ends.get(out.pk, 0.0) for out in batch)
             return max(ends, default=0.0) - self.clock.monotonic()

@@ -1,19 +1,28 @@
-"""What a dispatcher records after a claim, decided without it: one attempt's outcome
-(the policy reads the answer and the history on the row), the settlement of an
-operation no dispatcher can send, and the summary of a run."""
+"""What a dispatcher decides and records, without I/O: which claimed operations to send,
+settle or give back (``plan_claimed``), one attempt's outcome (the policy reads the
+answer and the history on the row), the settlement of an operation no dispatcher can
+send, and the summary of a run."""
 
 from __future__ import annotations
 
 import os
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from outbox.config import Endpoint, RetryPolicy
 from outbox.model import Delivery, ErrorClass, State, Verdict
 from outbox.policy import decide, reason_from_history
-from outbox.store.records import AttemptOutcome, Claimed, Settlement, StartedAttempt
+from outbox.store.records import (
+    AttemptOutcome,
+    Claimed,
+    ClaimPlan,
+    Release,
+    Settlement,
+    StartedAttempt,
+)
 from outbox.transport import AttemptResult
 
 #: The window of an operation whose policy was never snapshotted: the default policy's.
@@ -202,3 +211,75 @@ def transition_event(
     if out.delivery is not Delivery.NOT_SENT or out.error_class not in NOT_TRIED:
         return "info", "retry_scheduled", {"next_attempt_at": out.next_attempt_at}
     return None
+
+
+#: An operation naming an endpoint this dispatcher does not know is put back for this long.
+UNKNOWN_ENDPOINT_DELAY_MS = 60_000
+
+
+def plan_claimed(
+    claimed: list[Claimed],
+    *,
+    endpoints: Mapping[str, Endpoint],
+    dispatcher_id: str,
+    token: str,
+    now: int,
+    refused: list[tuple[Claimed, str]],
+) -> ClaimPlan:
+    """Decide about a claimed batch, inside the claim's transaction (on the database
+    thread: no I/O, no logging; the operations this dispatcher must not send are added
+    to ``refused`` for the log). Every check that decides whether a request may go out
+    happens here, before its attempt row is written."""
+    send: dict[int, str] = {}
+    settlements: list[Settlement] = []
+    unsendable: dict[str, list[Claimed]] = {}
+    for c in claimed:
+        endpoint = endpoints.get(c.endpoint)
+        problem = (
+            f"endpoint {c.endpoint!r} is not registered in dispatcher {dispatcher_id} "
+            f"(registered: {sorted(endpoints)}); never sent anywhere"
+            if endpoint is None
+            else c.problem or endpoint.tenant_problem(c.tenant, c.operation_id)
+        )
+        if problem is not None:
+            refused.append((c, problem))
+            settlement = unsendable_settlement(
+                c, token, now, problem, registered=endpoint is not None,
+                dispatcher_id=dispatcher_id,
+            )  # fmt: skip
+            if settlement is not None:
+                settlements.append(settlement)
+            else:
+                unsendable.setdefault(problem, []).append(c)
+            continue
+        assert endpoint is not None
+        deadline = endpoint.deadline_ms(
+            window_started_at_ms=c.window_started_at or now,
+            first_attempt_at_ms=c.first_attempt_at or now,
+        )
+        if c.attempts_total and (
+            now > deadline or c.attempts_counted >= endpoint.retry.max_attempts
+        ):
+            reason = reason_from_history(
+                maybe_delivered=c.maybe_delivered, saw_refusal=c.saw_refusal
+            )
+            settlements.append(Settlement(c.pk, token, State.UNRESOLVED, reason))
+            continue
+        send[c.pk] = str(uuid.uuid4())
+    releases = [
+        Release(
+            pks=[c.pk for c in held],
+            delay_ms=max(1, min(UNKNOWN_ENDPOINT_DELAY_MS,
+                                max(unsendable_window_end(c, now) for c in held) - now + 1)),
+            last_error=problem,
+        )
+        for problem, held in unsendable.items()
+    ]  # fmt: skip
+    # Rows enqueued before policy snapshots get this endpoint's policy now, so operator
+    # tools can judge them without the application.
+    policies = {
+        c.pk: endpoints[c.endpoint].policy_snapshot()
+        for c in claimed
+        if c.policy_window_ms is None and c.endpoint in endpoints
+    }
+    return ClaimPlan(send=send, settlements=settlements, releases=releases, policies=policies)

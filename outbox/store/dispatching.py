@@ -101,25 +101,63 @@ class DispatchQueries:
         ``plan`` (pure, no I/O) decides about the claimed rows inside the transaction:
         which to send (an attempt row each), which to settle or give back, which need a
         policy snapshot. One COMMIT writes all of it, so an attempt row is never
-        visible without its claim, and a claim that fails anywhere (a write refused, the
-        COMMIT lost) leaves neither: the rows stay due and nothing is sent.
+        visible without its claim, and a write refused anywhere before the COMMIT leaves
+        neither: the rows stay due. (After a COMMIT whose answer was lost, nothing is
+        sent either; the attempts it may have written are closed at the lease's end.)
         """
-        until = now_ms + lease_ms
         with self.write() as conn:
-            claimed, recovered = self._claim_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
-            )
-            if not claimed:
-                return ClaimResult([], [], ClaimPlan(), [], set())
-            decided = plan(claimed)
-            if decided.policies:
-                self._snapshot_policies_on(conn, decided.policies)
-            for r in decided.releases:
-                self._release_on(conn, token=token, now_ms=now_ms, pks=r.pks,
-                                 delay_ms=r.delay_ms, last_error=r.last_error)  # fmt: skip
-            settled = self._settle_on(conn, now_ms=now_ms, settlements=decided.settlements)
-            started = self._begin_on(conn, token=token, owner=owner, now_ms=now_ms,
-                                     lease_until=until, request_ids=decided.send)  # fmt: skip
+            return self._claim_and_begin_on(conn, owner=owner, token=token, now_ms=now_ms,
+                                            lease_ms=lease_ms, limit=limit, plan=plan)  # fmt: skip
+
+    def record_and_claim(
+        self,
+        *,
+        outcomes: Sequence[AttemptOutcome],
+        owner: str,
+        token: str,
+        now_ms: int,
+        lease_ms: int,
+        limit: int,
+        plan: Callable[[list[Claimed]], ClaimPlan],
+    ) -> tuple[set[int], ClaimResult]:
+        """``record_outcomes`` then ``claim_and_begin``, in one transaction (one COMMIT
+        where there were two). The outcomes are fenced exactly as on their own; if any
+        part fails, none of it is written."""
+        with self.write() as conn:
+            written = self._record_on(conn, now_ms=now_ms, outcomes=outcomes)
+            result = self._claim_and_begin_on(
+                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
+                plan=plan,
+            )  # fmt: skip
+        return written, result
+
+    def _claim_and_begin_on(
+        self,
+        conn: Connection,
+        *,
+        owner: str,
+        token: str,
+        now_ms: int,
+        lease_ms: int,
+        limit: int,
+        plan: Callable[[list[Claimed]], ClaimPlan],
+    ) -> ClaimResult:
+        claimed, recovered = self._claim_on(
+            conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
+        )
+        if not claimed:
+            return ClaimResult([], [], ClaimPlan(), [], set())
+        decided = plan(claimed)
+        if decided.policies:
+            self._snapshot_policies_on(conn, decided.policies)
+        for r in decided.releases:
+            self._release_on(conn, token=token, now_ms=now_ms, pks=r.pks,
+                             delay_ms=r.delay_ms, last_error=r.last_error)  # fmt: skip
+        settled = self._settle_on(conn, now_ms=now_ms, settlements=decided.settlements)
+        started = self._begin_on(
+            conn, token=token, owner=owner, now_ms=now_ms, lease_until=now_ms + lease_ms,
+            request_ids=decided.send,
+        )  # fmt: skip
         return ClaimResult(claimed, recovered, decided, started, settled)
 
     def _claim_on(
@@ -305,60 +343,67 @@ class DispatchQueries:
         if not outcomes:
             return set()
         with self.write() as conn:
-            held = dict(
-                conn.execute(
-                    select(operations.c.id, operations.c.lease_token)
-                    .where(operations.c.id.in_([out.pk for out in outcomes]))
-                    .order_by(operations.c.id)
-                    .with_for_update()
-                ).all()
-            )
-            mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
-            if not mine:
-                return set()
-            groups: dict[tuple[bool, bool, bool, bool], list[dict[str, Any]]] = {}
-            for out in mine:
-                params: dict[str, Any] = {
-                    "b_pk": out.pk,
-                    "b_token": out.lease_token,
-                    "b_state": out.state.value,
-                    "b_reason": out.reason.value if out.reason else None,
-                    "b_next": out.next_attempt_at,
-                    "b_maybe": out.maybe_delivered,
-                    "b_refusal": out.saw_refusal,
+            return self._record_on(conn, now_ms=now_ms, outcomes=outcomes)
+
+    def _record_on(
+        self, conn: Connection, *, now_ms: int, outcomes: Sequence[AttemptOutcome]
+    ) -> set[int]:
+        if not outcomes:
+            return set()
+        held = dict(
+            conn.execute(
+                select(operations.c.id, operations.c.lease_token)
+                .where(operations.c.id.in_([out.pk for out in outcomes]))
+                .order_by(operations.c.id)
+                .with_for_update()
+            ).all()
+        )
+        mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
+        if not mine:
+            return set()
+        groups: dict[tuple[bool, bool, bool, bool], list[dict[str, Any]]] = {}
+        for out in mine:
+            params: dict[str, Any] = {
+                "b_pk": out.pk,
+                "b_token": out.lease_token,
+                "b_state": out.state.value,
+                "b_reason": out.reason.value if out.reason else None,
+                "b_next": out.next_attempt_at,
+                "b_maybe": out.maybe_delivered,
+                "b_refusal": out.saw_refusal,
+                "b_now": now_ms,
+            }
+            if out.result is not None:
+                params.update(
+                    b_rstatus=out.result.status,
+                    b_rheaders=headers_text(out.result.headers),
+                    b_rbody=out.result.body,
+                    b_rsha=out.result.sha256,
+                    b_rsize=out.result.size,
+                    b_rtrunc=out.result.truncated,
+                )
+            shape = (out.counted, out.state.is_settled, out.result is not None, out.in_progress)
+            groups.setdefault(shape, []).append(params)
+        for shape, rows in groups.items():
+            conn.execute(_outcome_update(*shape), rows)
+        conn.execute(
+            _ATTEMPT_OUTCOME,
+            [
+                {
+                    "b_rid": out.request_id,
+                    "b_delivery": out.delivery.value,
+                    "b_verdict": out.verdict.value if out.verdict else None,
+                    "b_counted": out.counted,
+                    "b_status": out.status_code,
+                    "b_rrid": out.receiver_request_id,
+                    "b_eclass": out.error_class,
+                    "b_emsg": out.error_message,
+                    "b_duration": out.duration_ms,
                     "b_now": now_ms,
                 }
-                if out.result is not None:
-                    params.update(
-                        b_rstatus=out.result.status,
-                        b_rheaders=headers_text(out.result.headers),
-                        b_rbody=out.result.body,
-                        b_rsha=out.result.sha256,
-                        b_rsize=out.result.size,
-                        b_rtrunc=out.result.truncated,
-                    )
-                shape = (out.counted, out.state.is_settled, out.result is not None, out.in_progress)
-                groups.setdefault(shape, []).append(params)
-            for shape, rows in groups.items():
-                conn.execute(_outcome_update(*shape), rows)
-            conn.execute(
-                _ATTEMPT_OUTCOME,
-                [
-                    {
-                        "b_rid": out.request_id,
-                        "b_delivery": out.delivery.value,
-                        "b_verdict": out.verdict.value if out.verdict else None,
-                        "b_counted": out.counted,
-                        "b_status": out.status_code,
-                        "b_rrid": out.receiver_request_id,
-                        "b_eclass": out.error_class,
-                        "b_emsg": out.error_message,
-                        "b_duration": out.duration_ms,
-                        "b_now": now_ms,
-                    }
-                    for out in mine
-                ],
-            )
+                for out in mine
+            ],
+        )
         return {out.pk for out in mine}
 
     def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:

@@ -9,6 +9,7 @@ anyone else.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -26,6 +27,7 @@ from tenacity import wait_fixed
 
 from outbox import (
     Delivery,
+    DispatcherSettings,
     Endpoint,
     FakeClock,
     NotStoredError,
@@ -289,6 +291,59 @@ def test_database_refusing_writes_after_the_claim_sends_nothing(
         assert op.state is State.SUCCEEDED
         assert [r.request_id for r in receiver.requests()] == [a.request_id for a in op.attempts]
         assert receiver.effect_count() == 1
+    finally:
+        ob.close()
+
+
+def test_outcomes_written_alone_when_the_claim_they_carry_is_refused(
+    sqlite_url: str, receiver: Receiver
+) -> None:
+    """The transaction that writes outcomes and claims the next batch has written the
+    outcomes when the database refuses the claim: all of it rolls back, then the
+    outcomes are written on their own. Nothing is lost, nothing is sent twice."""
+    ob = Outbox(
+        sqlite_url,
+        endpoints=[Endpoint(name="receiver", base_url=receiver.url, timeout=1.0,
+                            retry=RetryPolicy(window=timedelta(minutes=5), wait=wait_fixed(1)),
+                            key_retention=timedelta(hours=1))],
+        clock=FakeClock(),
+    )  # fmt: skip
+    refusals = [1]  # how many claims to refuse after an outcome write
+    wrote_outcome = threading.local()
+    refused: list[str] = []
+
+    @event.listens_for(ob.engine, "begin")
+    def _new_transaction(conn: Any) -> None:
+        wrote_outcome.seen = False
+
+    @event.listens_for(ob.engine, "handle_error")
+    def _writable_again(context: Any) -> None:
+        # Refuse that one statement only (BEGIN IMMEDIATE itself fails while read-only).
+        if context.connection is not None:
+            context.connection.connection.driver_connection.execute("PRAGMA query_only = OFF")
+
+    @event.listens_for(ob.engine, "before_cursor_execute")
+    def _refuse_claim(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("UPDATE outbox_attempts SET finished_at"):
+            wrote_outcome.seen = True
+        elif (getattr(wrote_outcome, "seen", False) and refusals[0]
+              and "ix_outbox_operations_due" in statement):  # fmt: skip
+            refusals[0] -= 1
+            refused.append(statement)
+            cursor.execute("PRAGMA query_only = ON")
+
+    try:
+        for i in range(3):
+            _enqueue(ob, f"carried-{i}")
+        dispatcher = ob.dispatcher(DispatcherSettings(concurrency=1, batch_size=1))
+        summary = asyncio.run(dispatcher.run(until_empty=True))
+        assert len(refused) == 1
+        assert summary.succeeded == 3
+        for i in range(3):
+            op = ob.get(f"carried-{i}")
+            assert op.state is State.SUCCEEDED and len(op.attempts) == 1
+            assert receiver.effect_count(key=f"carried-{i}") == 1
+        assert len(receiver.requests()) == 3
     finally:
         ob.close()
 

@@ -6,6 +6,7 @@ Time is a FakeClock, so windows and backoff are crossed without sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -18,7 +19,18 @@ import httpx
 import pytest
 from tenacity import wait_fixed
 
-from outbox import Delivery, Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State, logs
+from outbox import (
+    Delivery,
+    DispatcherSettings,
+    Endpoint,
+    FakeClock,
+    Outbox,
+    Reason,
+    RetryPolicy,
+    State,
+    failpoints,
+    logs,
+)
 from outbox.testing.receiver import Receiver, Refuse
 
 MakeOutbox = Callable[..., Outbox]
@@ -251,6 +263,66 @@ def test_tenant_is_sent_and_scopes_keys(make_ob: MakeOutbox, receiver: Receiver)
     assert ob.get("same", tenant="acme").state is State.SUCCEEDED
     assert ob.get("same", tenant="globex").state is State.SUCCEEDED
     assert sorted(e.tenant for e in receiver.effects(key="same")) == ["acme", "globex"]
+
+
+def test_outcome_write_carries_the_next_claim(make_ob: MakeOutbox, receiver: Receiver) -> None:
+    """With every slot taken the claim loop waits; the transaction that writes the
+    outcomes freeing slots also claims for it. Each operation is sent once, recorded once."""
+    ob = make_ob()
+    for i in range(6):
+        _enqueue(ob, f"piped-{i}")
+    carried: list[tuple[int, int]] = []
+    record_and_claim = ob.store.record_and_claim
+
+    def counting(**kwargs: Any) -> Any:
+        written, result = record_and_claim(**kwargs)
+        carried.append((len(written), len(result.started)))
+        return written, result
+
+    ob.store.record_and_claim = counting  # type: ignore[method-assign]
+    dispatcher = ob.dispatcher(DispatcherSettings(concurrency=2, batch_size=2))
+    summary = asyncio.run(dispatcher.run(until_empty=True))
+    assert summary.succeeded == 6
+    assert carried and carried[0][0] >= 1 and carried[0][1] >= 1
+    assert sum(started for _, started in carried) <= 4  # the first claim took 2
+    for i in range(6):
+        op = ob.get(f"piped-{i}")
+        assert op.state is State.SUCCEEDED and len(op.attempts) == 1
+        assert receiver.effect_count(key=f"piped-{i}") == 1
+
+
+def test_stop_during_a_claim_carried_by_the_outcome_write_drains_it(
+    make_ob: MakeOutbox, receiver: Receiver
+) -> None:
+    """Stop is requested while the outcome writer's claim is committed but its work not
+    yet started: that work still runs and its outcome is written before the dispatcher
+    returns. No operation is left leased with an open attempt."""
+    ob = make_ob()
+    for i in range(3):
+        _enqueue(ob, f"stopping-{i}")
+    dispatcher = ob.dispatcher(DispatcherSettings(concurrency=1, batch_size=1))
+    stop = asyncio.Event()
+    hits: list[int] = []
+
+    async def stop_at_the_carried_claim(name: str) -> None:
+        hits.append(dispatcher.in_flight)
+        if len(hits) == 2:  # the first claim is the loop's; the second rides an outcome
+            stop.set()
+            await asyncio.sleep(0.2)  # the loop sees the stop and starts its drain
+
+    failpoints.register("after_claim", stop_at_the_carried_claim)
+    try:
+        summary = asyncio.run(dispatcher.run(stop))
+    finally:
+        failpoints.clear("after_claim")
+    assert len(hits) == 2
+    assert summary.succeeded == 2
+    states = sorted(ob.get(f"stopping-{i}").state.value for i in range(3))
+    assert states == ["pending", "succeeded", "succeeded"]
+    for i in range(3):
+        op = ob.get(f"stopping-{i}")
+        assert all(a.delivery is not None for a in op.attempts)
+    assert len(receiver.requests()) == 2
 
 
 def test_fenced_write_from_a_lost_lease_changes_nothing(make_ob: MakeOutbox) -> None:

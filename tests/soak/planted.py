@@ -8,8 +8,8 @@ pytest's ``monkeypatch.setattr`` so it is undone after the test).
 
 * ``key_per_attempt``: the Idempotency-Key is the request ID (a new key per attempt).
 * ``send_before_commit``: the attempt row is written after the response instead of
-  before the send (it is deleted right after ``claim_and_begin`` commits it and written
-  back with the outcome), so a crash in between leaves a request with no attempt.
+  before the send (it is deleted in the claim's transaction, right after it is written,
+  and written back with the outcome), so a crash in between leaves a request with no attempt.
 * ``no_window_check``: the retry window (and the key-retention cap) never closes.
 * ``no_lease_check``: no re-check of the lease before sending.
 * ``no_fencing``: outcome writes ignore the lease token (the writer takes the row back).
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import delete, insert, update
+from sqlalchemy import Connection, delete, insert, update
 
 import outbox.dispatch
 from outbox.config import Endpoint
@@ -48,19 +48,18 @@ def _key_per_attempt(set_: Setter) -> None:
 
 
 def _send_before_commit(set_: Setter) -> None:
-    original_claim = Store.claim_and_begin
-    original_record = Store.record_outcomes
+    original_claim = Store._claim_and_begin_on
+    original_record = Store._record_on
     deferred: dict[str, dict[str, Any]] = {}
     lock = threading.Lock()
 
-    def claim(self: Store, **kwargs: Any) -> ClaimResult:
-        result = original_claim(self, **kwargs)
+    def claim(self: Store, conn: Connection, **kwargs: Any) -> ClaimResult:
+        result = original_claim(self, conn, **kwargs)
         if result.started:
             ids = [s.request_id for s in result.started]
-            with self.write() as conn:
-                rows = conn.execute(
-                    delete(attempts).where(attempts.c.request_id.in_(ids)).returning(attempts)
-                ).all()
+            rows = conn.execute(
+                delete(attempts).where(attempts.c.request_id.in_(ids)).returning(attempts)
+            ).all()
             with lock:
                 for row in rows:
                     values = dict(row._mapping)
@@ -68,16 +67,17 @@ def _send_before_commit(set_: Setter) -> None:
                     deferred[values["request_id"]] = values
         return result
 
-    def record(self: Store, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
+    def record(
+        self: Store, conn: Connection, *, now_ms: int, outcomes: Sequence[AttemptOutcome]
+    ) -> set[int]:
         with lock:
             rows = [deferred.pop(o.request_id) for o in outcomes if o.request_id in deferred]
         if rows:
-            with self.write() as conn:
-                conn.execute(insert(attempts), rows)
-        return original_record(self, now_ms=now_ms, outcomes=outcomes)
+            conn.execute(insert(attempts), rows)
+        return original_record(self, conn, now_ms=now_ms, outcomes=outcomes)
 
-    set_(Store, "claim_and_begin", claim)
-    set_(Store, "record_outcomes", record)
+    set_(Store, "_claim_and_begin_on", claim)
+    set_(Store, "_record_on", record)
 
 
 def _no_window_check(set_: Setter) -> None:
@@ -95,25 +95,24 @@ def _no_lease_check(set_: Setter) -> None:
 
 
 def _no_fencing(set_: Setter) -> None:
-    original_record = Store.record_outcomes
+    original_record = Store._record_on
 
-    def record(self: Store, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
+    def record(
+        self: Store, conn: Connection, *, now_ms: int, outcomes: Sequence[AttemptOutcome]
+    ) -> set[int]:
         # The planted bug: write whatever the lease says, by taking the row back first.
-        with self.write() as conn:
-            for out in outcomes:
-                conn.execute(
-                    update(operations)
-                    .where(operations.c.id == out.pk)
-                    .values(lease_token=out.lease_token)
-                )
-                conn.execute(
-                    update(attempts)
-                    .where(attempts.c.request_id == out.request_id)
-                    .values(delivery=None)
-                )
-        return original_record(self, now_ms=now_ms, outcomes=outcomes)
+        for out in outcomes:
+            conn.execute(
+                update(operations).where(operations.c.id == out.pk)
+                .values(lease_token=out.lease_token)
+            )
+            conn.execute(
+                update(attempts).where(attempts.c.request_id == out.request_id)
+                .values(delivery=None)
+            )
+        return original_record(self, conn, now_ms=now_ms, outcomes=outcomes)
 
-    set_(Store, "record_outcomes", record)
+    set_(Store, "_record_on", record)
 
 
 BUGS: dict[str, Callable[[Setter], None]] = {
