@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from sqlalchemy.exc import DBAPIError
@@ -44,10 +44,7 @@ from outbox.store.records import (
 )
 from outbox.transport import build_client, request_headers, send_attempt
 from outbox.unresolved import OnUnresolved, UnresolvedLookups
-from outbox.wakeup import Wakeup
-
-if TYPE_CHECKING:
-    pass
+from outbox.wakeup import Wakeup, wait_any
 
 logger = get_logger("outbox.dispatch")
 
@@ -232,7 +229,7 @@ class Dispatcher:
                     self._capacity.clear()
                     self._parked = True
                     try:
-                        await _wait_any(self._capacity, stop, timeout=1.0)
+                        await wait_any(self._capacity, stop, timeout=1.0)
                     finally:
                         self._parked = False
                     continue
@@ -252,7 +249,7 @@ class Dispatcher:
                                       detail=str(exc)[:300], retry_in_seconds=backoff)
                     if once:
                         raise
-                    await _wait_any(stop, timeout=backoff)
+                    await wait_any(stop, timeout=backoff)
                     continue
                 backoff = 0.0
                 self._start(started)
@@ -266,7 +263,7 @@ class Dispatcher:
                             break  # nothing due, every outcome written
                         # Outcomes still to come may make something due again.
                         self._capacity.clear()
-                        await _wait_any(self._capacity, stop, timeout=1.0)
+                        await wait_any(self._capacity, stop, timeout=1.0)
                         continue
                     await self.wakeup.wait(stop)
         finally:
@@ -501,27 +498,34 @@ class Dispatcher:
                     break
                 batch.append(item)
             written, claim = await self._record_outcomes(batch)
-            now = self.clock.now_ms()
-            for out in batch:
-                self._observe.outcome(out, applied=out.pk in written, now_ms=now)
-                if out.state is State.PENDING and out.pk in written:
-                    self.wakeup.due_at(out.next_attempt_at)
-                names = self._log_transition(out, applied=out.pk in written)
-                if out.pk in written and out.state is State.UNRESOLVED:
-                    self._lookups.maybe(out, self.endpoints.get(names.get("endpoint", "")), names)
-            await failpoints.hit("after_outcome")
-            self._release_slot(len(batch))
-            if claim is not None:
-                reserved, result, args = claim
-                works: list[Work] = []
-                try:
-                    works = await self._claimed(result, args)
-                except Exception as exc:
-                    # A bug or a failpoint: the batch's attempt rows stay open, its
-                    # leases expire and the next claim records them as unknown.
-                    self._log.exception("claim_crashed", error=type(exc).__name__)
-                self._start(works)
-                self._reserve(-reserved)
+            try:  # whatever the bookkeeping does, the slots and a carried claim are settled
+                now = self.clock.now_ms()
+                for out in batch:
+                    self._observe.outcome(out, applied=out.pk in written, now_ms=now)
+                    if out.state is State.PENDING and out.pk in written:
+                        self.wakeup.due_at(out.next_attempt_at)
+                    names = self._log_transition(out, applied=out.pk in written)
+                    if out.pk in written and out.state is State.UNRESOLVED:
+                        endpoint = self.endpoints.get(names.get("endpoint", ""))
+                        self._lookups.maybe(out, endpoint, names)
+                await failpoints.hit("after_outcome")
+            finally:
+                self._release_slot(len(batch))
+                if claim is not None:
+                    await self._start_carried(*claim)
+
+    async def _start_carried(self, reserved: int, result: ClaimResult, args: _ClaimArgs) -> None:
+        """Start the work of a claim the writer made; give its reserved slots back. If
+        that fails (a bug, a failpoint), its attempt rows stay open until its leases
+        expire, and the next claim records them as unknown."""
+        works: list[Work] = []
+        try:
+            works = await self._claimed(result, args)
+        except Exception as exc:
+            self._log.exception("claim_crashed", error=type(exc).__name__)
+        finally:
+            self._start(works)
+            self._reserve(-reserved)
 
     def _reserve(self, n: int) -> None:
         """Hold (n > 0) or give back (n < 0) slots for a claim the writer makes."""
@@ -559,9 +563,10 @@ class Dispatcher:
                 return written, (limit, result, args)
             except Exception as exc:
                 # Nothing of it was written (or, after a lost COMMIT, the claim's leases
-                # expire unused): write the outcomes alone, as below.
-                self._log.warning("outcome_claim_failed", error=type(exc).__name__,
-                                  detail=error_detail(exc))  # fmt: skip
+                # expire unused): write the outcomes alone. Not the database's: a bug.
+                log = self._log.warning if isinstance(exc, StoreError | DBAPIError) \
+                    else self._log.exception
+                log("outcome_claim_failed", error=type(exc).__name__, detail=error_detail(exc))
             self._reserve(-limit)
         return await self._write_outcomes_alone(batch), None
 
@@ -588,11 +593,3 @@ class Dispatcher:
             getattr(self._log.bind(request_id=out.request_id, **names), level)(name, **fields)
         return names
 
-
-async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
-    waiters = [asyncio.create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()

@@ -197,3 +197,13 @@ def _earliest(a: int | None, b: int | None) -> int | None:
     if b is None:
         return a
     return min(a, b)
+
+
+async def wait_any(*events: asyncio.Event, timeout: float) -> None:
+    """Wait until one of ``events`` is set, or ``timeout`` seconds."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

@@ -325,6 +325,38 @@ def test_stop_during_a_claim_carried_by_the_outcome_write_drains_it(
     assert len(receiver.requests()) == 2
 
 
+def test_a_writer_failing_after_a_carried_claim_does_not_hang_the_stop(
+    make_ob: MakeOutbox, receiver: Receiver
+) -> None:
+    """The outcome writer's bookkeeping raises after it has carried a claim: the claim's
+    work still starts and its reserved slots are given back, so a stop ends (the
+    writer's error surfaces from run()) instead of waiting forever for that claim."""
+    ob = make_ob()
+    for i in range(4):
+        _enqueue(ob, f"writer-{i}")
+    dispatcher = ob.dispatcher(DispatcherSettings(concurrency=1, batch_size=1))
+    stop = asyncio.Event()
+    claiming: list[int] = []
+
+    async def fail_once(name: str) -> None:
+        claiming.append(dispatcher._claiming)
+        if len(claiming) == 1:
+            stop.set()
+            raise RuntimeError("bookkeeping failed after the outcome write")
+
+    async def run() -> None:
+        await asyncio.wait_for(dispatcher.run(stop), timeout=60)
+
+    failpoints.register("after_outcome", fail_once)
+    try:
+        with pytest.raises(RuntimeError, match="bookkeeping failed"):
+            asyncio.run(run())
+    finally:
+        failpoints.clear("after_outcome")
+    assert claiming[0] == 1  # the failing batch had carried the next claim
+    assert dispatcher._claiming == 0
+
+
 def test_fenced_write_from_a_lost_lease_changes_nothing(make_ob: MakeOutbox) -> None:
     """A claims, its lease expires, B claims; A's late writes match nothing."""
     from outbox.store.records import AttemptOutcome
