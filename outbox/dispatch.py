@@ -275,29 +275,31 @@ class Dispatcher:
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._outcomes.put(None)
-            await writer
-            await self._lookups.drain()
-            for client in self._clients.values():
-                await client.aclose()
-            self._clients.clear()
-            if beats is not None:
-                beats.cancel()
-                await asyncio.gather(beats, return_exceptions=True)
-                await heartbeat.stopped(self)
-            self._observe.dispatcher_stopped(self)
-            watchdog.cancel()
-            self._db.shutdown()
-            if self._db.gave_up:
-                self._log.error(
-                    "dispatcher_stop_timed_out",
-                    stop_timeout_seconds=self.settings.stop_timeout_seconds,
-                    detail="the database did not answer; gave up. Leases held expire on "
-                    "their own and another dispatcher takes over; nothing is resent "
-                    "before that.",
-                    **self.summary.as_dict(),
-                )
-            else:
-                self._log.info("dispatcher_stopped", **self.summary.as_dict())
+            try:  # a writer that died re-raises here, after the cleanup below
+                await writer
+            finally:
+                await self._lookups.drain()
+                for client in self._clients.values():
+                    await client.aclose()
+                self._clients.clear()
+                if beats is not None:
+                    beats.cancel()
+                    await asyncio.gather(beats, return_exceptions=True)
+                    await heartbeat.stopped(self)
+                self._observe.dispatcher_stopped(self)
+                watchdog.cancel()
+                self._db.shutdown()
+                if self._db.gave_up:
+                    self._log.error(
+                        "dispatcher_stop_timed_out",
+                        stop_timeout_seconds=self.settings.stop_timeout_seconds,
+                        detail="the database did not answer; gave up. Leases held expire on "
+                        "their own and another dispatcher takes over; nothing is resent "
+                        "before that.",
+                        **self.summary.as_dict(),
+                    )
+                else:
+                    self._log.info("dispatcher_stopped", **self.summary.as_dict())
         if self._db.gave_up:
             raise DatabaseUnresponsive(
                 f"the database did not answer within {self.settings.stop_timeout_seconds}s "
