@@ -16,7 +16,7 @@ from outbox.model import (
     State,
 )
 from outbox.store.dispatching import DispatchQueries
-from outbox.store.marker import note_marker, returning_columns
+from outbox.store.marker import note_marker
 from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
     InsertResult,
@@ -45,7 +45,7 @@ class Store(OperatorQueries, DispatchQueries):
         # Built once, run with parameters: building an INSERT with literal .values() costs
         # SQLAlchemy more than the database spends on it (each value coerced and hashed
         # into a cache key, on every call).
-        wake = (*self._insert_wakes(), *returning_columns(engine.dialect.name))
+        wake = (*self._insert_wakes(), *self._insert_marks())
         self._insert_one = self._insert_ignoring_duplicate().returning(operations.c.id, *wake)
         self._insert_many = self._insert_ignoring_duplicate().returning(
             operations.c.id, operations.c.tenant, operations.c.operation_id, *wake
@@ -87,12 +87,13 @@ class Store(OperatorQueries, DispatchQueries):
             ).scalar()
         return int(value) if value is not None else None
 
-    def transaction_marker(self, conn: Connection) -> str | None:
-        """An ID of the open transaction that outlives its connection (PostgreSQL)."""
-        return None
+    def _insert_marks(self) -> tuple[Any, ...]:
+        """Extra RETURNING columns of the enqueue INSERT that name its transaction, an
+        ID that outlives the connection (``outbox.store.marker``); none on SQLite."""
+        return ()
 
     def commit_status(self, marker: str) -> TxStatus:
-        """What became of the transaction ``transaction_marker`` named."""
+        """What became of the transaction the enqueue INSERT named."""
         return TxStatus.UNKNOWN
 
     # -- enqueue ------------------------------------------------------------------

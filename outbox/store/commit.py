@@ -114,10 +114,6 @@ def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key
             slot = open_slot(conn)
             result, created = work(conn)
             marker = close_slot(slot)
-            if created and marker is None:
-                # The INSERT did not report its transaction (a store without markers on
-                # RETURNING): ask, at the cost of a round trip.
-                marker = store.transaction_marker(conn)
         except (DBAPIError, StoreError) as exc:
             # The store names its own failures NotStoredError, the driver's error as cause.
             cause = exc if isinstance(exc, DBAPIError) else exc.__cause__

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Text, cast, func
+from sqlalchemy import Connection
 
 #: Key in ``Connection.info`` (the pooled connection's own dict).
 _SLOT = "outbox_transaction_marker"
-
-
-def returning_columns(dialect: str) -> tuple[Any, ...]:
-    """Extra RETURNING columns of the enqueue INSERT that name its transaction."""
-    if dialect == "postgresql":
-        return (cast(func.pg_current_xact_id(), Text).label("transaction_marker"),)
-    return ()
+#: The label of the RETURNING column a store adds to name the transaction
+#: (``Store._insert_marks``; PostgreSQL's ``pg_current_xact_id()``).
+COLUMN = "transaction_marker"
 
 
 def open_slot(conn: Connection) -> dict[Any, Any]:
@@ -45,6 +41,6 @@ def note_marker(conn: Connection, row: Any) -> None:
     """Record ``row``'s transaction marker, if the slot is open and the row has one."""
     if row is None or _SLOT not in conn.info or conn.info[_SLOT] is not None:
         return
-    value = row._mapping.get("transaction_marker")
+    value = row._mapping.get(COLUMN)
     if value is not None:
         conn.info[_SLOT] = value

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, literal, select, text, update
+from sqlalchemy import Connection, Text, cast, func, literal, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
+from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.records import TxStatus
 from outbox.store.tables import operations
 
@@ -64,9 +65,9 @@ class PostgresStore(Store):
     def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
         return PostgresListener(self.engine, application_name=application_name)
 
-    def transaction_marker(self, conn: Connection) -> str | None:
-        # Assigns the transaction its ID now; the INSERT that follows would anyway.
-        return str(conn.execute(text("SELECT pg_current_xact_id()::text")).scalar_one())
+    def _insert_marks(self) -> tuple[Any, ...]:
+        # The ID the INSERT assigns its transaction anyway.
+        return (cast(func.pg_current_xact_id(), Text).label(MARKER_COLUMN),)
 
     def commit_status(self, marker: str) -> TxStatus:
         with self.read() as conn:
