@@ -229,3 +229,19 @@ class Hold:
     def __exit__(self, *exc: object) -> None:
         self.release.set()
         failpoints.clear(self.point)
+
+
+def terminate_backends(admin_url: str, application_name: str) -> int:
+    """pg_terminate_backend on the connections opened under ``application_name`` (this
+    test's own: the server is shared), from a separate admin connection; how many."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(admin_url)
+    try:
+        with engine.begin() as conn:
+            return len(conn.execute(text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = :name AND pid <> pg_backend_pid()"),
+                {"name": application_name}).all())  # fmt: skip
+    finally:
+        engine.dispose()

@@ -14,28 +14,15 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from outbox import Endpoint, Intent, Outbox
 from outbox.store import liveness
 from tests.conftest import POSTGRES_URL
-from tests.faults.support import outbox_events
+from tests.faults.support import outbox_events, terminate_backends
 
 pytestmark = pytest.mark.postgres
-
-
-def _terminate(application_name: str) -> int:
-    engine = sa_create_engine(POSTGRES_URL)
-    try:
-        with engine.begin() as conn:
-            return len(conn.execute(text(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE application_name = :name AND pid <> pg_backend_pid()"),
-                {"name": application_name}).all())  # fmt: skip
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture
@@ -62,7 +49,7 @@ def test_an_idle_connection_cut_in_the_pool_is_replaced_before_use(
 ) -> None:
     ob, name = named
     ob.enqueue(endpoint="rx", method="POST", path="/x", json={}, operation_id="before")
-    assert _terminate(name) >= 1  # the pooled connection, idle
+    assert terminate_backends(POSTGRES_URL, name) >= 1  # the pooled connection, idle
     monkeypatch.setattr(liveness, "PING_AFTER_IDLE_SECONDS", 0.0)  # any idle time counts
     with outbox_events() as events:
         ob.enqueue(endpoint="rx", method="POST", path="/x", json={}, operation_id="after")
@@ -76,14 +63,14 @@ def test_a_connection_cut_a_moment_ago_is_found_by_the_insert_and_written_again(
     ob, name = named
     ob.enqueue(endpoint="rx", method="POST", path="/x", json={}, operation_id="before")
     monkeypatch.setattr(liveness, "PING_AFTER_IDLE_SECONDS", 3600.0)  # never pinged
-    assert _terminate(name) >= 1
+    assert terminate_backends(POSTGRES_URL, name) >= 1
     with outbox_events() as events:
         op = ob.enqueue(endpoint="rx", method="POST", path="/x", json={}, operation_id="after")
         assert op.operation_id == "after"
         assert _stored(ob) == ["before", "after"]
         assert len(events.named("enqueue_connection_replaced")) == 1
         # A batch too: one statement, written once.
-        assert _terminate(name) >= 1
+        assert terminate_backends(POSTGRES_URL, name) >= 1
         intents = [Intent("rx", "POST", "/x", {}, operation_id=f"b-{n}") for n in range(3)]
         ob.enqueue_many(intents)
         assert _stored(ob) == ["before", "after", "b-0", "b-1", "b-2"]

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine as sa_create_engine
-from sqlalchemy import event, text
+from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from tenacity import wait_fixed
 
@@ -39,7 +38,7 @@ from outbox import (
 )
 from outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from outbox.testing.receiver import Receiver
-from tests.faults.support import dispatchers, open_outbox, until
+from tests.faults.support import dispatchers, open_outbox, terminate_backends, until
 
 BUSY_SECONDS = SQLITE_BUSY_TIMEOUT_MS / 1000
 
@@ -351,23 +350,6 @@ def test_outcomes_written_alone_when_the_claim_they_carry_is_refused(
 # --------------------------------------------------------------------------- PostgreSQL
 
 
-def _terminate(admin_url: str, application_name: str) -> int:
-    engine = sa_create_engine(admin_url)
-    try:
-        with engine.begin() as conn:
-            return len(
-                conn.execute(
-                    text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE application_name = :name AND pid <> pg_backend_pid()"
-                    ),
-                    {"name": application_name},
-                ).all()
-            )
-    finally:
-        engine.dispose()
-
-
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_postgres_backend_terminated_mid_dispatch(
@@ -396,7 +378,7 @@ def test_postgres_backend_terminated_mid_dispatch(
             until(lambda: d.saw("dispatcher_started"), 20, "the dispatcher to start")
             _enqueue(ob, "pg-mid")
             until(lambda: receiver.requests(key="pg-mid"), 10, "the request on the wire")
-            assert _terminate(POSTGRES_URL, name) >= 1
+            assert terminate_backends(POSTGRES_URL, name) >= 1
             until(lambda: ob.get("pg-mid").state.is_settled, 30, "pg-mid to settle")
 
             ids = [f"pg-storm-{i}" for i in range(30)]
@@ -405,7 +387,7 @@ def test_postgres_backend_terminated_mid_dispatch(
             killed = 0
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:
-                killed += _terminate(POSTGRES_URL, name)
+                killed += terminate_backends(POSTGRES_URL, name)
                 time.sleep(0.03)
             until(lambda: all(ob.get(i).state.is_settled for i in ids), 40, "the storm to settle")
             alive = d.alive()
