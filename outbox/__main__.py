@@ -8,7 +8,8 @@ modules. Two things that cost it time buy it nothing:
   thousands of classes and functions that all stay alive until exit (reference counting
   still frees everything else); it is switched off for the start-up and switched back on
   by every command that is not a read (``outbox.cli_support.command``), so a dispatcher
-  or the console runs with it as usual;
+  or the console runs with it; ``dispatch`` then freezes what start-up built and
+  collects the youngest generation less often (``cli_support.settle_gc_for_dispatch``);
 * the interpreter's teardown of every module at exit. Once a read command has returned,
   closed its database connection (the click context's close) and its output is flushed,
   the process ends with ``os._exit``. Anything else (``dispatch``, ``console``,

@@ -14,6 +14,7 @@ import click
 from outbox.cli_support import (
     Context,
     command,
+    settle_gc_for_dispatch,
 )
 from outbox.errors import ConfigurationError, StoreError
 
@@ -94,6 +95,7 @@ def dispatch(
             raise ConfigurationError(
                 f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}"
             ) from exc
+    settle_gc_for_dispatch()
     try:
         if once:
             summary = ob.dispatch_once()

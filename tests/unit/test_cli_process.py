@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from outbox.cli_support import DISPATCH_GC_THRESHOLD
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import gc, sys
@@ -21,14 +26,17 @@ try:
 except SystemExit:
     pass
 print(gc.isenabled(), cli_support.ran_read_command())
+print(gc.get_freeze_count() > 0, gc.get_threshold()[0])
 """
 
 
-def _probe(tmp_path: Path, how: str, *args: str) -> str:
+def _probe(tmp_path: Path, how: str, *args: str, line: int = -2) -> str:
+    env = {**os.environ, "OUTBOX_TEST_DB": f"sqlite:///{tmp_path / 'ob.sqlite3'}",
+           "OUTBOX_TEST_RECEIVER_URL": "http://127.0.0.1:9"}  # fmt: skip
     return subprocess.run(
         [sys.executable, "-c", PROBE, how, *args],
-        capture_output=True, text=True, check=True, cwd=tmp_path, timeout=120,
-    ).stdout.strip().splitlines()[-1]  # fmt: skip
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=120, env=env,
+    ).stdout.strip().splitlines()[line]  # fmt: skip
 
 
 def test_a_read_keeps_the_pause_and_a_write_command_ends_it(tmp_path: Path) -> None:
@@ -49,3 +57,16 @@ def test_in_process_a_command_leaves_a_disabled_collector_alone(tmp_path: Path) 
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_dispatcher_process_freezes_its_start_up_and_collects_less_often(
+    tmp_path: Path,
+) -> None:
+    app = ["--app", "tests.support.dispatch_app:outbox", "dispatch", "--until-empty"]
+    url = f"sqlite:///{tmp_path / 'ob.sqlite3'}"
+    assert _probe(tmp_path, "entry", "--db", url, "migrate") == "True False"
+    # Started by the process entry: the process is ours.
+    assert _probe(tmp_path, "entry", *app, line=-1) == f"True {DISPATCH_GC_THRESHOLD}"
+    # Called in-process (an application's process): its collector is left as it was.
+    default = gc.get_threshold()[0]
+    assert _probe(tmp_path, "in-process", *app, line=-1) == f"False {default}"
