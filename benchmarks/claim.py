@@ -17,8 +17,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import text
-
 from benchmarks.common import payload
 
 INDEX = "ix_outbox_operations_due"
@@ -116,23 +114,18 @@ def _put_back(engine: Any, pks: list[int], now_ms: int) -> None:
 
 def claim_plan(store: Any, now_ms: int) -> str:
     """The database's plan for the claim statement, as text."""
-    values = {
-        "state": "in_flight",
-        "lease_token": "t",
-        "lease_owner": "o",
-        "lease_until": now_ms + 30_000,
-        "next_attempt_at": now_ms + 30_000,
-        "updated_at": now_ms,
-    }
-    stmt = store._claim_statement(now_ms=now_ms, limit=100, values=values)
-    compiled = stmt.compile(dialect=store.engine.dialect, compile_kwargs={"literal_binds": True})
+    params = {"now_ms": now_ms, "limit": 100, "c_token": "t", "c_owner": "o",
+              "c_until": now_ms + 30_000, "c_now": now_ms}  # fmt: skip
+    compiled = store._claim_statement().compile(dialect=store.engine.dialect)
+    bound = compiled.construct_params(params)
     sql = str(compiled)
     with store.engine.connect() as conn:
         if store.engine.dialect.name == "sqlite":
-            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql).all()
+            args = tuple(bound[name] for name in compiled.positiontup)
+            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, args).all()
             plan = "\n".join(str(r[-1]) for r in rows)
         else:
-            rows = conn.execute(text("EXPLAIN " + sql)).all()
+            rows = conn.exec_driver_sql("EXPLAIN " + sql, bound).all()
             plan = "\n".join(str(r[0]) for r in rows)
         conn.rollback()
     return plan

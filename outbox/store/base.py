@@ -29,7 +29,6 @@ from outbox.store.rows import (
 from outbox.store.statements import (
     DUE,
     blocks,
-    claimable_ids,
 )
 from outbox.store.tables import attempts, operations
 
@@ -197,10 +196,6 @@ class Store(OperatorQueries, DispatchQueries):
 
     def preflight(self) -> None:
         """Checks before a dispatcher starts (the SQLite store checks its file)."""
-
-    def _due_ids(self, now_ms: int, limit: int) -> Any:
-        """SELECT of the ids a claim may take, oldest due first."""
-        return claimable_ids(now_ms, limit)
 
 
 __all__ = ["Store"]

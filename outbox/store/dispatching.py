@@ -8,6 +8,7 @@ transactions and the dialect's claim statement.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -30,6 +31,16 @@ from outbox.store.statements import _ATTEMPT_OUTCOME, _outcome_update
 from outbox.store.tables import attempts, operations
 
 
+def claimed_from_row(r: Any) -> Claimed:
+    """A claimed row (:data:`DispatchQueries._CLAIMED_COLUMNS`, in that order) as
+    :class:`Claimed`: by position, the stored headers decoded."""
+    headers, problem = stored_headers(r[6])
+    return Claimed(
+        r[0], r[1], r[2], r[3], r[4], r[5], headers, r[7], r[8], r[9], bool(r[10]),
+        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem,
+    )  # fmt: skip
+
+
 class DispatchQueries:
     """The dispatcher's transactions; :class:`~outbox.store.base.Store` mixes them in."""
 
@@ -48,9 +59,20 @@ class DispatchQueries:
             for pk, policy in policies.items()
         )
 
-    def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
+    def _claim_statement(self) -> Any:
+        """The dialect's claim: an UPDATE ... RETURNING :data:`_CLAIMED_COLUMNS` (then,
+        where the dialect can say it, the state before the claim as ``was``), setting
+        :data:`~outbox.store.statements.CLAIM_VALUES`; parameters ``now_ms`` and
+        ``limit`` and those of the values. Built once per store (``_claim_built``)."""
         raise NotImplementedError
 
+    @functools.cached_property
+    def _claim_built(self) -> tuple[Any, bool]:
+        # The statement and whether its rows carry "was" (its last column).
+        statement = self._claim_statement()
+        return statement, len(statement._returning) > len(self._CLAIMED_COLUMNS)
+
+    #: In the order of :class:`Claimed`'s fields (``claimed_from_row`` relies on it).
     _CLAIMED_COLUMNS = (
         operations.c.id,
         operations.c.tenant,
@@ -164,51 +186,19 @@ class DispatchQueries:
         self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
     ) -> tuple[list[Claimed], list[Recovered]]:
         until = now_ms + lease_ms
-        values = {
-            "state": State.IN_FLIGHT.value,
-            "lease_token": token,
-            "lease_owner": owner,
-            "lease_until": until,
-            "next_attempt_at": until,
-            "version": operations.c.version + 1,
-            "updated_at": now_ms,
-        }
-        rows = conn.execute(self._claim_statement(now_ms=now_ms, limit=limit, values=values)).all()
-        headers = {r.id: stored_headers(r.headers) for r in rows}
-        claimed = [
-            Claimed(
-                pk=r.id,
-                tenant=r.tenant,
-                operation_id=r.operation_id,
-                endpoint=r.endpoint,
-                method=r.method,
-                path=r.path,
-                headers=headers[r.id][0],
-                body=r.body,
-                attempts_counted=r.attempts_counted,
-                attempts_total=r.attempts_total,
-                maybe_delivered=bool(r.maybe_delivered),
-                saw_refusal=bool(r.saw_refusal),
-                first_attempt_at=r.first_attempt_at,
-                window_started_at=r.window_started_at,
-                lease_until=r.lease_until,
-                created_at=r.created_at,
-                traceparent=r.traceparent,
-                attempts_in_progress=r.attempts_in_progress,
-                policy_window_ms=r.policy_window_ms,
-                problem=headers[r.id][1],
-            )
-            for r in rows
-        ]
-        if not claimed:
+        statement, has_was = self._claim_built
+        rows = conn.execute(
+            statement,
+            {"now_ms": now_ms, "limit": limit, "c_token": token, "c_owner": owner,
+             "c_until": until, "c_now": now_ms},
+        ).all()  # fmt: skip
+        if not rows:
             return [], []
+        claimed = [claimed_from_row(r) for r in rows]
         # Only a row taken over from an expired lease can have an open attempt. A
         # dialect whose claim cannot say what the row was (no "was" column) checks all.
-        taken_over = [
-            r.id
-            for r in rows
-            if r._mapping.get("was", State.IN_FLIGHT.value) == State.IN_FLIGHT.value
-        ]
+        in_flight = State.IN_FLIGHT.value
+        taken_over = [r[0] for r in rows if not has_was or r[-1] == in_flight]
         recovered = self._close_open_attempts(conn, taken_over, now_ms) if taken_over else []
         if recovered:
             flagged = {r.pk for r in recovered}

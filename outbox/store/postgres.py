@@ -18,6 +18,7 @@ from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
 from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.records import TxStatus
+from outbox.store.statements import CLAIM_VALUES, claim_limits, claimable_ids
 from outbox.store.tables import operations
 
 
@@ -29,12 +30,12 @@ class PostgresStore(Store):
             index_elements=["tenant", "operation_id"]
         )
 
-    def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
+    def _claim_statement(self) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts
         # runs only when a row was taken over from an expired lease (a round trip saved
         # on every other claim).
         due = (
-            self._due_ids(now_ms, limit)
+            claimable_ids(*claim_limits())
             .add_columns(operations.c.state.label("was"))
             .with_for_update(skip_locked=True, of=operations)
             .cte("due")
@@ -43,7 +44,7 @@ class PostgresStore(Store):
         return (
             update(operations)
             .where(operations.c.id == due.c.id)
-            .values(values)
+            .values(CLAIM_VALUES)
             .returning(*self._CLAIMED_COLUMNS, due.c.was)
         )
 

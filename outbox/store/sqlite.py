@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, text, update
+from sqlalchemy import Engine, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.dialects.sqlite.base import SQLiteCompiler, SQLiteDialect
 
@@ -19,7 +19,7 @@ from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, SqliteWatch, local_key
 from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
-from outbox.store.statements import claimable_ids
+from outbox.store.statements import CLAIM_VALUES, claim_limits, claimable_ids
 from outbox.store.tables import operations
 from outbox.store.writelock import held_by_caller
 
@@ -39,7 +39,7 @@ class _HintingCompiler(SQLiteCompiler):
 def claim_sql() -> str:
     """:func:`~outbox.store.statements.claimable_ids` as SQLite text, pinned to the
     partial due index (``INDEXED BY``), with ``:now_ms`` and ``:limit`` parameters."""
-    select_ids = claimable_ids(bindparam("now_ms"), bindparam("limit")).with_hint(
+    select_ids = claimable_ids(*claim_limits()).with_hint(
         operations, "INDEXED BY ix_outbox_operations_due", "sqlite"
     )
     return str(_HintingCompiler(SQLiteDialect(paramstyle="named"), select_ids))
@@ -55,16 +55,16 @@ class SqliteStore(Store):
         statement = sqlite_insert(operations)
         return statement.on_conflict_do_nothing(index_elements=["tenant", "operation_id"])
 
-    def _claim_statement(self, *, now_ms: int, limit: int, values: dict[str, Any]) -> Any:
+    def _claim_statement(self) -> Any:
         # INDEXED BY: SQLite never gathers planner statistics on its own, and without them
         # it walks ix_outbox_operations_state_updated and sorts every due row: 2 s per
         # claim at a million due rows, against 5 ms through the partial due index.
-        sql = text(_DUE_SQL).bindparams(now_ms=now_ms, limit=limit)
+        sql = text(_DUE_SQL).bindparams(*claim_limits())
         due = sql.columns(operations.c.id).scalar_subquery()
         return (
             update(operations)
             .where(operations.c.id.in_(due))
-            .values(values)
+            .values(CLAIM_VALUES)
             .returning(*self._CLAIMED_COLUMNS)
         )
 

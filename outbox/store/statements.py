@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
+    Integer,
     Select,
     and_,
     bindparam,
@@ -75,6 +77,24 @@ def claimable_ids(now_ms: Any, limit: Any) -> Select[Any]:
         .order_by(operations.c.next_attempt_at)
         .limit(limit)
     )
+
+
+#: What a claim sets, with the parameters ``c_token``, ``c_owner``, ``c_until`` (the
+#: lease's end, when the row is next due) and ``c_now``.
+CLAIM_VALUES: dict[str, Any] = {
+    "state": State.IN_FLIGHT.value,
+    "lease_token": bindparam("c_token"),
+    "lease_owner": bindparam("c_owner"),
+    "lease_until": bindparam("c_until"),
+    "next_attempt_at": bindparam("c_until"),
+    "version": operations.c.version + 1,
+    "updated_at": bindparam("c_now"),
+}
+
+
+def claim_limits() -> tuple[Any, Any]:
+    """The claim's ``now_ms`` and ``limit`` parameters."""
+    return bindparam("now_ms", type_=BigInteger), bindparam("limit", type_=Integer)
 
 
 _OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}
