@@ -9,14 +9,15 @@ transactions and the dialect's claim statement.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, insert, update
+from sqlalchemy.sql.elements import ColumnElement
 
-from outbox.model import Delivery, ErrorClass, PolicySnapshot, State
+from outbox.model import Delivery, PolicySnapshot, State
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -27,7 +28,13 @@ from outbox.store.records import (
     StartedAttempt,
 )
 from outbox.store.rows import headers_text, policy_columns, stored_headers
-from outbox.store.statements import _ATTEMPT_OUTCOME, _outcome_update
+from outbox.store.statements import (
+    _ATTEMPT_OUTCOME,
+    INSERT_ATTEMPTS,
+    BatchStatements,
+    _outcome_update,
+    batch_statements,
+)
 from outbox.store.tables import attempts, operations
 
 
@@ -58,6 +65,18 @@ class DispatchQueries:
             ).rowcount
             for pk, policy in policies.items()
         )
+
+    def _pks_in(self, column: ColumnElement[Any], name: str) -> ColumnElement[bool]:
+        """``column`` is one of the keys passed as parameter ``name`` (given by
+        :meth:`_pks_value`): an expanding IN, unless the dialect has a fixed-shape form."""
+        return column.in_(bindparam(name, expanding=True))
+
+    def _pks_value(self, pks: Iterable[int]) -> Any:
+        return list(pks)
+
+    @functools.cached_property
+    def _batch(self) -> BatchStatements:
+        return batch_statements(self._pks_in)
 
     def _claim_statement(self) -> Any:
         """The dialect's claim: an UPDATE ... RETURNING :data:`_CLAIMED_COLUMNS` (then,
@@ -208,31 +227,13 @@ class DispatchQueries:
     def _close_open_attempts(
         self, conn: Connection, pks: Sequence[int], now_ms: int
     ) -> list[Recovered]:
+        batch = self._batch
         rows = conn.execute(
-            update(attempts)
-            .where(attempts.c.operation_pk.in_(pks), attempts.c.delivery.is_(None))
-            .values(
-                delivery=Delivery.UNKNOWN.value,
-                finished_at=now_ms,
-                error_class=ErrorClass.LEASE_EXPIRED.value,
-                error_message=(
-                    "the dispatcher's lease expired before it recorded an outcome "
-                    "(it crashed, was killed or paused); the request may have been sent"
-                ),
-            )
-            .returning(
-                attempts.c.operation_pk,
-                attempts.c.request_id,
-                attempts.c.number,
-                attempts.c.dispatcher_id,
-            )
+            batch.close_open, {"b_ids": self._pks_value(pks), "b_now": now_ms}
         ).all()
         if rows:
-            conn.execute(
-                update(operations)
-                .where(operations.c.id.in_([r.operation_pk for r in rows]))
-                .values(maybe_delivered=True)
-            )
+            flagged = self._pks_value([r.operation_pk for r in rows])
+            conn.execute(batch.flag_maybe, {"b_ids": flagged})
         return [
             Recovered(
                 pk=r.operation_pk,
@@ -276,22 +277,8 @@ class DispatchQueries:
         if not request_ids:
             return []
         rows = conn.execute(
-            update(operations)
-            .where(operations.c.id.in_(list(request_ids)), operations.c.lease_token == token)
-            .values(
-                attempts_total=operations.c.attempts_total + 1,
-                attempts_counted=operations.c.attempts_counted + 1,
-                first_attempt_at=func.coalesce(operations.c.first_attempt_at, now_ms),
-                window_started_at=func.coalesce(operations.c.window_started_at, now_ms),
-                last_error=None,
-                updated_at=now_ms,
-            )
-            .returning(
-                operations.c.id,
-                operations.c.attempts_total,
-                operations.c.first_attempt_at,
-                operations.c.window_started_at,
-            )
+            self._batch.begin,
+            {"b_ids": self._pks_value(request_ids), "b_token": token, "b_now": now_ms},
         ).all()
         started = [
             StartedAttempt(
@@ -305,7 +292,7 @@ class DispatchQueries:
         ]
         if started:
             conn.execute(
-                insert(attempts),
+                INSERT_ATTEMPTS,
                 [
                     {
                         "operation_pk": s.pk,
@@ -340,14 +327,8 @@ class DispatchQueries:
     ) -> set[int]:
         if not outcomes:
             return set()
-        held = dict(
-            conn.execute(
-                select(operations.c.id, operations.c.lease_token)
-                .where(operations.c.id.in_([out.pk for out in outcomes]))
-                .order_by(operations.c.id)
-                .with_for_update()
-            ).all()
-        )
+        pks = self._pks_value([out.pk for out in outcomes])
+        held = dict(conn.execute(self._batch.fence, {"b_ids": pks}).all())
         mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
         if not mine:
             return set()

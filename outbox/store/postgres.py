@@ -11,8 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Text, cast, func, literal, select, text, update
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Connection,
+    Text,
+    any_,
+    bindparam,
+    cast,
+    func,
+    literal,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
@@ -29,6 +43,11 @@ class PostgresStore(Store):
         return pg_insert(operations).on_conflict_do_nothing(
             index_elements=["tenant", "operation_id"]
         )
+
+    def _pks_in(self, column: ColumnElement[Any], name: str) -> ColumnElement[bool]:
+        # = ANY(array): the same SQL text (and server-side prepared statement) for any
+        # number of keys.
+        return column == any_(bindparam(name, type_=ARRAY(BigInteger)))
 
     def _claim_statement(self) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts

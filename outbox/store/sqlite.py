@@ -8,11 +8,24 @@ dispatchers can take the same row.
 from __future__ import annotations
 
 import functools
+import json
+from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Engine, text, update
+from sqlalchemy import (
+    Engine,
+    Select,
+    Text,
+    bindparam,
+    func,
+    literal_column,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.dialects.sqlite.base import SQLiteCompiler, SQLiteDialect
+from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.errors import StoreError
 from outbox.store.base import Store
@@ -67,6 +80,17 @@ class SqliteStore(Store):
             .values(CLAIM_VALUES)
             .returning(*self._CLAIMED_COLUMNS)
         )
+
+    def _pks_in(self, column: ColumnElement[Any], name: str) -> ColumnElement[bool]:
+        # The keys as one JSON array: the same SQL text (and prepared statement) for
+        # any number of keys, each looked up by primary key or index.
+        keys: Select[Any] = select(literal_column("value")).select_from(
+            func.json_each(bindparam(name, type_=Text))
+        )
+        return column.in_(keys)
+
+    def _pks_value(self, pks: Iterable[int]) -> Any:
+        return json.dumps(list(pks))
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)

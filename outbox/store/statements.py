@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -11,6 +13,8 @@ from sqlalchemy import (
     and_,
     bindparam,
     exists,
+    func,
+    insert,
     literal_column,
     or_,
     select,
@@ -19,7 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import FromClause
 
-from outbox.model import BLOCKING_STATES, DUE_STATES, State, state_values
+from outbox.model import BLOCKING_STATES, DUE_STATES, Delivery, ErrorClass, State, state_values
 from outbox.store.tables import attempts, operations
 
 
@@ -162,3 +166,80 @@ _ATTEMPT_OUTCOME = (
         finished_at=bindparam("b_now"),
     )
 )
+
+
+#: ``column`` is one of the primary keys passed as the parameter named by the second
+#: argument: a fixed-shape statement whatever the number of keys (no expanding IN to
+#: render on every execution). Each store says how (``Store._pks_in``).
+PksIn = Callable[[Any, str], ColumnElement[bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStatements:
+    """The statements a dispatcher runs per batch that take a list of keys, built once
+    per store with its dialect's :data:`PksIn`."""
+
+    #: The attempt counters of the operations about to be sent (``b_ids``, fenced on
+    #: ``b_token``), returning what the attempt rows need.
+    begin: Any
+    #: The operations' lease tokens (``b_ids``), locked (FOR UPDATE) on PostgreSQL.
+    fence: Any
+    #: Close the open attempts of operations taken over from an expired lease.
+    close_open: Any
+    #: Flag operations whose open attempt was closed as maybe delivered.
+    flag_maybe: Any
+
+
+def batch_statements(pks_in: PksIn) -> BatchStatements:
+    now = bindparam("b_now", type_=BigInteger)
+    begin = (
+        update(operations)
+        .where(pks_in(operations.c.id, "b_ids"), operations.c.lease_token == bindparam("b_token"))
+        .values(
+            attempts_total=operations.c.attempts_total + 1,
+            attempts_counted=operations.c.attempts_counted + 1,
+            first_attempt_at=func.coalesce(operations.c.first_attempt_at, now),
+            window_started_at=func.coalesce(operations.c.window_started_at, now),
+            last_error=None,
+            updated_at=now,
+        )
+        .returning(
+            operations.c.id,
+            operations.c.attempts_total,
+            operations.c.first_attempt_at,
+            operations.c.window_started_at,
+        )
+    )
+    fence = (
+        select(operations.c.id, operations.c.lease_token)
+        .where(pks_in(operations.c.id, "b_ids"))
+        .order_by(operations.c.id)
+        .with_for_update()
+    )
+    close_open = (
+        update(attempts)
+        .where(pks_in(attempts.c.operation_pk, "b_ids"), attempts.c.delivery.is_(None))
+        .values(
+            delivery=Delivery.UNKNOWN.value,
+            finished_at=now,
+            error_class=ErrorClass.LEASE_EXPIRED.value,
+            error_message=(
+                "the dispatcher's lease expired before it recorded an outcome "
+                "(it crashed, was killed or paused); the request may have been sent"
+            ),
+        )
+        .returning(
+            attempts.c.operation_pk,
+            attempts.c.request_id,
+            attempts.c.number,
+            attempts.c.dispatcher_id,
+        )
+    )
+    flag_maybe = (
+        update(operations).where(pks_in(operations.c.id, "b_ids")).values(maybe_delivered=True)
+    )
+    return BatchStatements(begin=begin, fence=fence, close_open=close_open, flag_maybe=flag_maybe)
+
+
+#: The attempt rows of a batch (executemany).
+INSERT_ATTEMPTS = insert(attempts)
