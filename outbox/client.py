@@ -42,7 +42,7 @@ from outbox.errors import (
 from outbox.model import Operation, State
 from outbox.observe import Instrumentation, combine
 from outbox.store import Store, store_for
-from outbox.store.commit import Key, write_and_commit
+from outbox.store.commit import Key, insert_and_commit, write_and_commit
 from outbox.store.engine import outbox_engine
 from outbox.store.migrate import ensure_schema
 from outbox.store.rows import operation_row
@@ -185,6 +185,13 @@ class Outbox(AsyncMethods, TransactionMethods):
         if connection is not None:
             return self._enqueue_on(connection_of(connection), intent)
         op_id, tenant, ordering_key, args = self._validate(intent)
+        if (
+            type(self)._own_transaction is Outbox._own_transaction
+            and not self.store.statements_observed
+        ):
+            op = self._enqueue_own(op_id, tenant, ordering_key, args)
+            if op is not None:
+                return op
 
         def work(conn: Connection) -> tuple[Operation, list[Key]]:
             op, created = self._insert_checked_created(
@@ -229,6 +236,24 @@ class Outbox(AsyncMethods, TransactionMethods):
         result = write_and_commit(self.store, work)
         self.store.announce()  # committed: wake this process's dispatchers (SQLite)
         return result
+
+    def _enqueue_own(
+        self, op_id: str, tenant: str, ordering_key: str | None, args: Any
+    ) -> Operation | None:
+        """A new operation in a transaction of its own, sent on the driver's connection
+        (``outbox.store.direct``: same row, same failure semantics, a fraction of the
+        Python). None when the key is already stored: the general path then returns the
+        stored operation or raises ``OperationConflict``."""
+        self._refuse_if_caller_holds_the_lock()
+        now = self.clock.now_ms()
+        row = self._row((op_id, tenant, ordering_key, args), now=now,
+                        traceparent=self._traceparent())  # fmt: skip
+        pk = insert_and_commit(self.store, row, Key(tenant, op_id, args.args_sha256))
+        if pk is None:
+            return None
+        self.store.announce()  # committed: wake this process's dispatchers (SQLite)
+        return self._new_operation(pk, op_id=op_id, tenant=tenant, ordering_key=ordering_key,
+                                   args=args, now=now)  # fmt: skip
 
     @contextmanager
     def _own_transaction(self) -> Iterator[Connection]:

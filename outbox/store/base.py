@@ -15,6 +15,7 @@ from outbox.model import (
     Operation,
     State,
 )
+from outbox.store.direct import DirectInsert
 from outbox.store.dispatching import DispatchQueries
 from outbox.store.marker import note_marker
 from outbox.store.operator import OperatorQueries
@@ -49,6 +50,7 @@ class Store(OperatorQueries, DispatchQueries):
         self._insert_many = self._insert_ignoring_duplicate().returning(
             operations.c.id, operations.c.tenant, operations.c.operation_id, *wake
         )
+        self._direct: DirectInsert | None = None
 
     # -- transactions -------------------------------------------------------------
 
@@ -124,6 +126,25 @@ class Store(OperatorQueries, DispatchQueries):
         except DBAPIError as exc:
             raise NotStoredError(f"the operation was not stored: {exc.orig}") from exc
         return InsertResult(pk=row.id, created=False, args_sha256=row.args_sha256)
+
+    @property
+    def statements_observed(self) -> bool:
+        """Whether something listens to this engine's statements (an SQLAlchemy
+        instrumentation such as OpenTelemetry's): then every statement goes through
+        SQLAlchemy, where it sees them, and :meth:`insert_own` is not used."""
+        dispatch = self.engine.dispatch
+        return bool(dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+
+    def insert_own(self, row: dict[str, Any]) -> int | None:
+        """Insert one operation (``row``: see :func:`operation_row`) in a transaction of
+        its own and commit it, on the driver's connection: its primary key, or None
+        when its key is already stored (nothing written). Failures are reported as
+        ``outbox.store.direct`` says; ``outbox.store.commit.insert_and_commit`` tells
+        them apart."""
+        direct = self._direct
+        if direct is None or not direct.accepts(row):
+            direct = self._direct = DirectInsert(self.engine, self._insert_one, tuple(row))
+        return direct.run(row)
 
     def insert_operations(
         self, conn: Connection, rows: Sequence[dict[str, Any]]

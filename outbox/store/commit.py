@@ -31,6 +31,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError, StoreError, StoreOutcomeUnknown
+from outbox.store.direct import CommitFailed, LostBeforeCommit
 from outbox.store.marker import close_slot, open_slot
 from outbox.store.records import TxStatus
 from outbox.store.tables import operations
@@ -89,16 +90,35 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
     try:
         return _write_once(store, work)
     except _LostBeforeCommit as lost:
-        _logger().info(
-            "enqueue_connection_replaced",
-            error=type(lost.error.orig or lost.error).__name__,
-            detail="the pooled connection was dead before COMMIT; nothing was stored; "
-            "writing again on a fresh connection",
-        )
+        log_connection_replaced(lost.error.orig or lost.error)
     try:
         return _write_once(store, work)
     except _LostBeforeCommit as lost:
         raise _not_stored(lost.error) from lost.error
+
+
+def insert_and_commit(store: Store, row: dict[str, Any], key: Key) -> int | None:
+    """One new operation in a transaction of its own, on the driver's connection
+    (``Store.insert_own``): its primary key, or None when ``key`` is already stored
+    (nothing written). Failures are told apart as :func:`write_and_commit` does: a dead
+    pooled connection before COMMIT is replaced once; a failed COMMIT is resolved."""
+    try:
+        try:
+            return store.insert_own(row)
+        except LostBeforeCommit as lost:
+            log_connection_replaced(lost.error)
+        try:
+            return store.insert_own(row)
+        except LostBeforeCommit as lost:
+            raise NotStoredError(f"the operation was not stored: {lost.error}") from lost.error
+    except CommitFailed as failed:
+        log_commit_failed(failed.error, [key])
+        if resolve_commit(store, failed.marker, [key], failed.error):
+            return failed.pk
+        raise NotStoredError(
+            f"the operation was not stored: COMMIT failed ({failed.error}) and the "
+            "database confirms the transaction did not commit"
+        ) from failed.error
 
 
 def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
@@ -139,20 +159,33 @@ def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key
     if not created:
         # Nothing new was written: the operations were already stored before.
         return result
-    _logger().warning(
-        "enqueue_commit_failed",
-        error=type(commit_error.orig or commit_error).__name__,
-        operation_id=created[0].operation_id,
-        tenant=created[0].tenant,
-        operations=len(created),
-        detail="establishing whether the COMMIT took effect",
-    )
+    log_commit_failed(commit_error.orig or commit_error, created)
     if resolve_commit(store, marker, created, commit_error):
         return result
     raise NotStoredError(
         f"the operation was not stored: COMMIT failed ({commit_error.orig}) and the "
         "database confirms the transaction did not commit"
     ) from commit_error
+
+
+def log_connection_replaced(error: BaseException) -> None:
+    _logger().info(
+        "enqueue_connection_replaced",
+        error=type(error).__name__,
+        detail="the pooled connection was dead before COMMIT; nothing was stored; "
+        "writing again on a fresh connection",
+    )
+
+
+def log_commit_failed(error: BaseException, created: Sequence[Key]) -> None:
+    _logger().warning(
+        "enqueue_commit_failed",
+        error=type(error).__name__,
+        operation_id=created[0].operation_id,
+        tenant=created[0].tenant,
+        operations=len(created),
+        detail="establishing whether the COMMIT took effect",
+    )
 
 
 def resolve_commit(

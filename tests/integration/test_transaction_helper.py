@@ -212,9 +212,15 @@ def test_the_guard_forgets_a_transaction_ended_by_invalidation_or_close(
 
 
 def _in_begin_immediate(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside enqueue's BEGIN IMMEDIATE: SQLAlchemy's ``begin``
+    event, or the driver-level transaction of ``outbox.store.direct`` (its first
+    statement; it cannot pass it while another connection holds the lock)."""
     frame = sys._current_frames().get(thread.ident or -1)
     while frame is not None:
-        if frame.f_code.co_name == "_on_begin":
+        code = frame.f_code
+        if code.co_name == "_on_begin" or (
+            code.co_name == "run" and code.co_filename.endswith("direct.py")
+        ):
             return True
         frame = frame.f_back
     return False

@@ -77,7 +77,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "outbox.store.migrate",
         ),
     ),
-    ("store: operator queries", ("outbox.store.operator", "outbox.store.dispatching")),
+    (
+        "store: operator queries",
+        ("outbox.store.operator", "outbox.store.dispatching", "outbox.store.direct"),
+    ),
     ("store: queries", ("outbox.store.base",)),
     ("store: commits", ("outbox.store.commit",)),
     (
