@@ -6,6 +6,7 @@ All are frozen and keyword-only; units are in the names or in the types.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import re
@@ -352,14 +353,16 @@ class Endpoint:
                 )
         return None
 
-    @property
+    @functools.cached_property
     def margin(self) -> timedelta:
+        # Cached, as policy_snapshot() and _sendable_ms below: a function of fields that
+        # never change (frozen, of immutable values); dataclasses.replace makes a new one.
         if self.key_retention_margin is not None:
             return self.key_retention_margin
         return min(timedelta(minutes=5), self.key_retention / 10)
 
-    def policy_snapshot(self) -> PolicySnapshot:
-        """What an operation row keeps of this endpoint's policy (see PolicySnapshot)."""
+    @functools.cached_property
+    def _policy(self) -> PolicySnapshot:
         return PolicySnapshot(
             window_ms=self.retry.window_ms,
             key_retention_ms=int(self.key_retention.total_seconds() * 1000),
@@ -368,6 +371,18 @@ class Endpoint:
             in_progress_budget=self.retry.in_progress_budget,
         )
 
+    @functools.cached_property
+    def _window_ms(self) -> int:
+        return self.retry.window_ms
+
+    @functools.cached_property
+    def _sendable_ms(self) -> int:
+        return self._policy.sendable_ms
+
+    def policy_snapshot(self) -> PolicySnapshot:
+        """What an operation row keeps of this endpoint's policy (see PolicySnapshot)."""
+        return self._policy
+
     @property
     def origin(self) -> str:
         parts = urlsplit(self.base_url)
@@ -375,9 +390,11 @@ class Endpoint:
 
     def deadline_ms(self, *, window_started_at_ms: int, first_attempt_at_ms: int) -> int:
         """The last moment an attempt may start: the window, capped by key retention."""
-        by_window = window_started_at_ms + self.retry.window_ms
-        by_key = self.policy_snapshot().key_usable_until_ms(first_attempt_at_ms)
-        return min(by_window, by_key)
+        # = min(window start + retry.window_ms,
+        #       policy_snapshot().key_usable_until_ms(first attempt))
+        by_window = window_started_at_ms + self._window_ms
+        by_key = first_attempt_at_ms + self._sendable_ms
+        return by_window if by_window < by_key else by_key
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from datetime import timedelta
 
 import pytest
 
 from outbox import ConfigurationError, Endpoint, RetryPolicy
+from outbox.model import PolicySnapshot
 
 BASE = "https://inventory.example"
 
@@ -119,3 +121,35 @@ def test_configuration_objects_are_frozen() -> None:
         endpoint.base_url = "https://evil.example"  # type: ignore[misc]
     with pytest.raises(TypeError):
         Endpoint("inventory", BASE)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"key_retention": timedelta(hours=2), "key_retention_margin": timedelta(minutes=1)},
+        {"key_retention": timedelta(minutes=70), "retry": RetryPolicy(window=timedelta(hours=1))},
+        {"retry": RetryPolicy(window=timedelta(seconds=5), max_attempts=3)},
+    ],
+)
+def test_policy_figures_are_computed_once_and_follow_replace(fields: dict[str, object]) -> None:
+    endpoint = Endpoint(name="rx", base_url="http://127.0.0.1:9", **fields)  # type: ignore[arg-type]
+    for _ in range(2):  # the second time from the cached figures
+        snap = endpoint.policy_snapshot()
+        assert snap == PolicySnapshot(
+            window_ms=endpoint.retry.window_ms,
+            key_retention_ms=int(endpoint.key_retention.total_seconds() * 1000),
+            margin_ms=int(endpoint.margin.total_seconds() * 1000),
+            max_attempts=endpoint.retry.max_attempts,
+            in_progress_budget=endpoint.retry.in_progress_budget,
+        )
+        for window_start, first in [(0, 0), (10**12, 10**12 - 5_000_000), (7, 10**12)]:
+            assert endpoint.deadline_ms(
+                window_started_at_ms=window_start, first_attempt_at_ms=first
+            ) == min(window_start + snap.window_ms, snap.key_usable_until_ms(first))
+    shorter = dataclasses.replace(endpoint, key_retention=timedelta(hours=3),
+                                  key_retention_margin=timedelta(minutes=2),
+                                  retry=RetryPolicy(window=timedelta(minutes=30)))
+    assert shorter.policy_snapshot().margin_ms == 120_000
+    assert shorter.policy_snapshot().window_ms == 1_800_000
+    assert shorter.deadline_ms(window_started_at_ms=0, first_attempt_at_ms=0) == 1_800_000
