@@ -271,6 +271,9 @@ def build_client(
     )
 
 
+_UNCALLED: Any = object()
+
+
 def request_headers(
     endpoint: Endpoint,
     *,
@@ -280,20 +283,88 @@ def request_headers(
     tenant: str,
     has_body: bool,
 ) -> dict[str, str]:
-    # Case-insensitive, and the identity headers are set last: neither stored headers
-    # nor an auth callable can replace the key or the request ID in the attempt log.
+    """The attempt's headers, names lower-cased: the endpoint's, the stored ones, the
+    credentials, a JSON content type for a body, then the identity headers.
+
+    Case-insensitive, and the identity headers are set last: neither stored headers
+    nor an auth callable can replace the key or the request ID in the attempt log.
+    Plain ASCII strings in dicts (always, in practice) are merged as ``httpx.Headers``
+    would merge them (see :func:`_httpx_headers`, the definition), without building one.
+    """
+    auth = endpoint.auth if not isinstance(endpoint.auth, httpx.Auth) else None
+    layers: list[Mapping[str, str]] = [endpoint.headers, stored_headers]
+    plain = _plain(endpoint.headers) and _plain(stored_headers)
+    # The credentials are asked for in the same order, and only when httpx would ask.
+    auth_headers = tenant_headers = _UNCALLED
+    if plain and auth is not None:
+        auth_headers = auth()
+        layers.append(auth_headers)
+        plain = _plain(auth_headers)
+    if plain and endpoint.tenant_auth is not None:
+        tenant_headers = endpoint.tenant_auth(tenant)
+        layers.append(tenant_headers)
+        plain = _plain(tenant_headers)
+    identity = [
+        (endpoint.idempotency_header, endpoint.wire_key(tenant, operation_id)),
+        (endpoint.request_id_header, request_id),
+    ]
+    if endpoint.tenant_header is not None:
+        identity.append((endpoint.tenant_header, tenant))
+    if not (plain and _ascii(identity)):
+        return _httpx_headers(
+            endpoint, stored_headers, auth_headers=auth_headers, tenant_headers=tenant_headers,
+            tenant=tenant, identity=identity, has_body=has_body,
+        )  # fmt: skip
+    merged: dict[str, str] = {}
+    for i, layer in enumerate(layers):
+        if i:  # Headers.update: every name it carries is dropped, then all appended
+            for name in layer:
+                merged.pop(name.lower(), None)
+        for name, value in layer.items():
+            merged[name.lower()] = value
+    if has_body and "content-type" not in merged:
+        merged["content-type"] = "application/json"
+    for name, value in identity:  # Headers.__setitem__: in place, or appended
+        merged[name.lower()] = value
+    return merged
+
+
+def _plain(headers: Mapping[str, str]) -> bool:
+    """A dict of ASCII strings (anything else goes through ``httpx.Headers``)."""
+    return type(headers) is dict and _ascii(headers.items())
+
+
+def _ascii(items: Iterable[tuple[str, str]]) -> bool:
+    return all(
+        type(name) is str and type(value) is str and name.isascii() and value.isascii()
+        for name, value in items
+    )
+
+
+def _httpx_headers(
+    endpoint: Endpoint,
+    stored_headers: Mapping[str, str],
+    *,
+    auth_headers: Any,
+    tenant_headers: Any,
+    tenant: str,
+    identity: list[tuple[str, str]],
+    has_body: bool,
+) -> dict[str, str]:
+    """:func:`request_headers` by ``httpx.Headers``. ``auth_headers`` and
+    ``tenant_headers``: the credentials already asked for, else ``_UNCALLED``."""
     headers = httpx.Headers(endpoint.headers)
     headers.update(stored_headers)
     if endpoint.auth is not None and not isinstance(endpoint.auth, httpx.Auth):
-        headers.update(endpoint.auth())
+        headers.update(endpoint.auth() if auth_headers is _UNCALLED else auth_headers)
     if endpoint.tenant_auth is not None:
-        headers.update(endpoint.tenant_auth(tenant))
+        headers.update(
+            endpoint.tenant_auth(tenant) if tenant_headers is _UNCALLED else tenant_headers
+        )
     if has_body:
         headers.setdefault("content-type", "application/json")
-    headers[endpoint.idempotency_header] = endpoint.wire_key(tenant, operation_id)
-    headers[endpoint.request_id_header] = request_id
-    if endpoint.tenant_header is not None:
-        headers[endpoint.tenant_header] = tenant
+    for name, value in identity:
+        headers[name] = value
     return dict(headers.multi_items())
 
 
