@@ -49,14 +49,34 @@ class AttemptResult:
     result: StoredResult | None
 
 
+class _ResponseHeaders:
+    """``response.headers[name]`` (case-insensitive, repeated headers joined with ", ")
+    for many names, from one pass over the headers instead of one per name."""
+
+    __slots__ = ("_headers", "_joined")
+
+    def __init__(self, headers: httpx.Headers) -> None:
+        self._headers = headers
+        # Headers.items(): the names lower-cased, the values of each joined, exactly
+        # what Headers.__getitem__ gives for a name.
+        self._joined = dict(headers.items())
+
+    def get(self, name: str) -> str | None:
+        if name.isascii():
+            return self._joined.get(name.lower())
+        value: str | None = self._headers.get(name)  # httpx's answer (or error) for the rest
+        return value
+
+
 def _evidence_headers(
-    endpoint: Endpoint, response: httpx.Response, redactor: Redactor
+    endpoint: Endpoint, headers: _ResponseHeaders, redactor: Redactor
 ) -> dict[str, str]:
-    return {
-        name: clean_message(redactor.text(response.headers[name]), 200)
-        for name in endpoint.evidence_headers
-        if name in response.headers
-    }
+    found = {}
+    for name in endpoint.evidence_headers:
+        value = headers.get(name)
+        if value is not None:
+            found[name] = clean_message(redactor.text(value), 200)
+    return found
 
 
 #: Response headers where receivers put their own request ID, in order of preference.
@@ -71,7 +91,7 @@ RECEIVER_REQUEST_ID_HEADERS = (
 
 
 def _receiver_request_id(
-    response: httpx.Response, sent_request_id: str | None, redactor: Redactor
+    headers: _ResponseHeaders, sent_request_id: str | None, redactor: Redactor
 ) -> str | None:
     """The receiver's own request ID as ``"header: value"``, or None.
 
@@ -79,14 +99,20 @@ def _receiver_request_id(
     that echoes a credential is redacted.
     """
     for name in RECEIVER_REQUEST_ID_HEADERS:
-        value = response.headers.get(name)
+        value = headers.get(name)
         if value and value != sent_request_id:
             return clean_message(f"{name}: {redactor.text(value)}", 255)
     return None
 
 
 def _stored_result(
-    endpoint: Endpoint, response: httpx.Response, body: Body, kept: bytes, redactor: Redactor
+    endpoint: Endpoint,
+    response: httpx.Response,
+    body: Body,
+    kept: bytes,
+    redactor: Redactor,
+    *,
+    headers: _ResponseHeaders,
 ) -> StoredResult:
     """The evidence of a response. The body has one shape whatever its size: the parsed
     JSON (or the text) when it fits ``result_body_limit``, else None and ``truncated``.
@@ -106,7 +132,7 @@ def _stored_result(
                 stored = json.dumps(text)
     return StoredResult(
         status=response.status_code,
-        headers=_evidence_headers(endpoint, response, redactor),
+        headers=_evidence_headers(endpoint, headers, redactor),
         body=stored,
         sha256=body.sha256,
         size=body.size,
@@ -469,16 +495,19 @@ async def send_attempt(
     if failed_message is None and classification.verdict is not Verdict.SUCCESS:
         message_head = redactor.bytes(received.head[:_MESSAGE_BYTES], cut_off=received.truncated)
         failed_message = clean_message(message_head.decode("utf-8", errors="replace"))
+    answered = _ResponseHeaders(response.headers)
     return AttemptResult(
         classification=classification,
         status_code=response.status_code,
         receiver_request_id=_receiver_request_id(
-            response, response.request.headers.get(endpoint.request_id_header), redactor
+            answered, response.request.headers.get(endpoint.request_id_header), redactor
         ),
         error_class=failed_class,
         error_message=failed_message,
         duration_ms=ex.elapsed_ms,
-        result=_stored_result(endpoint, response, received, kept, redactor) if keep else None,
+        result=_stored_result(endpoint, response, received, kept, redactor, headers=answered)
+        if keep
+        else None,
     )
 
 

@@ -1,5 +1,6 @@
 """An attempt's headers are those ``httpx.Headers`` would merge, whatever the case,
-duplicates, credentials and identity headers (the fast path must never diverge)."""
+duplicates, credentials and identity headers; the answer's headers are read as
+``httpx.Headers`` reads them. The fast paths must never diverge."""
 
 from __future__ import annotations
 
@@ -124,3 +125,27 @@ def test_identity_headers_and_tenant_credentials(operation_id: str) -> None:
     theirs = _outcome(_reference, endpoint, **kwargs)
     assert ours == theirs
     assert list(ours) == list(theirs)
+
+
+RAW_RESPONSE_HEADERS = [
+    [(b"X-Request-ID", b"rx-1"), (b"Content-Type", b"application/json")],
+    [(b"x-request-id", b"a"), (b"X-REQUEST-ID", b"b"), (b"request-id", b""),
+     (b"Idempotent-Replayed", b"true")],
+    [(b"X-Request-Id", b"caf\xc3\xa9"), (b"x-amzn-requestid", b"\xe9t\xe9")],  # latin-1 wins
+    [(b"X-Request-Id", b"caf\xc3\xa9"), (b"Content-Type", b"text/plain")],  # utf-8
+    [(b"\xc3\x89-Header", b"1"), (b"\xc3\xa9-header", b"2")],  # non-ASCII names
+]
+NAMES = ["x-request-id", "X-Request-ID", "request-id", "Request-Id", "x-amzn-requestid",
+         "idempotent-replayed", "content-type", "absent", "\u00e9-header", "\u00c9-Header"]
+
+
+@pytest.mark.parametrize("raw", RAW_RESPONSE_HEADERS)
+def test_response_header_lookups_are_httpx_lookups(raw: list[tuple[bytes, bytes]]) -> None:
+    from outbox.transport import _ResponseHeaders
+
+    reference = httpx.Response(200, headers=raw).headers
+    ours = _ResponseHeaders(httpx.Response(200, headers=raw).headers)
+    for name in NAMES:
+        assert _outcome(lambda _, n=name: ours.get(n), None) == _outcome(
+            lambda _, n=name: reference.get(n), None
+        ), name
