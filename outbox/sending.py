@@ -19,6 +19,7 @@ producing what httpx would:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,7 +32,8 @@ _MAX_PATHS = 4096
 class _Prepared:
     defaults: list[tuple[str, str]]
     extensions: dict[str, object]
-    urls: dict[str, httpx.URL] = field(default_factory=dict)
+    #: path -> (its URL, the Host header httpx adds for it, None without a host).
+    urls: dict[str, tuple[httpx.URL, tuple[str, str] | None]] = field(default_factory=dict)
 
 
 _prepared: weakref.WeakKeyDictionary[httpx.AsyncClient, _Prepared] = (
@@ -63,20 +65,53 @@ def build_request(
     if client.cookies:
         return client.build_request(method, path, headers=headers, content=content)
     prep = _for(client)
-    url = prep.urls.get(path)
-    if url is None:
+    target = prep.urls.get(path)
+    if target is None:
         url = client.build_request("GET", path).url
+        target = (url, ("Host", url.netloc.decode("ascii")) if url.host else None)
         if len(prep.urls) >= _MAX_PATHS:
             prep.urls.clear()
-        prep.urls[path] = url
+        prep.urls[path] = target
+    url, host = target
     merged = {name.lower(): (name, value) for name, value in prep.defaults}
     for name, value in headers.items():
         key = name.lower()
         merged.pop(key, None)  # as httpx's Headers.update: an override moves to the end
         merged[key] = (name, value)
-    return httpx.Request(
-        method, url, headers=list(merged.values()), content=content,
-        extensions=prep.extensions,
+    if not _plain(merged.values()) or not (content is None or type(content) is bytes):
+        return httpx.Request(
+            method, url, headers=list(merged.values()), content=content,
+            extensions=prep.extensions,
+        )
+    # What Request(content=...) adds, computed here rather than by httpx.Headers scans:
+    # Content-Length for a non-empty body unless set (Request._prepare's setdefault),
+    # then, in front, Host unless set, and "Content-Length: 0" for a POST, PUT or PATCH
+    # with neither Content-Length nor Transfer-Encoding.
+    items = list(merged.values())
+    if content and "content-length" not in merged:
+        items.append(("Content-Length", str(len(content))))
+        merged["content-length"] = ("", "")
+    auto: list[tuple[str, str]] = []
+    if host is not None and "host" not in merged:
+        auto.append(host)
+    if (
+        "content-length" not in merged
+        and "transfer-encoding" not in merged
+        and method.upper() in ("POST", "PUT", "PATCH")
+    ):
+        auto.append(("Content-Length", "0"))
+    request = httpx.Request(
+        method, url, headers=auto + items if auto else items,
+        stream=httpx.ByteStream(content or b""), extensions=prep.extensions,
+    )  # fmt: skip
+    request.read()  # as Request(content=...) does
+    return request
+
+
+def _plain(items: Iterable[tuple[str, str]]) -> bool:
+    return all(
+        type(name) is str and type(value) is str and name.isascii() and value.isascii()
+        for name, value in items
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -90,3 +91,41 @@ def test_no_cookie_is_ever_sent_back() -> None:
         _send_twice(build_client(endpoint, httpx.MockTransport(record)), seen)
         assert len(seen) == 2
         assert all("cookie" not in r.headers for r in seen)
+
+
+EDGE_HEADERS: list[dict[str, str]] = [
+    {},
+    HEADERS,
+    {"Host": "elsewhere.example"},  # Host given: none added
+    {"content-length": "999"},  # given (wrong or not): kept, none added
+    {"Transfer-Encoding": "chunked"},
+    {"ACCEPT-ENCODING": "identity", "user-agent": "ours/1", "Connection": "close"},
+    {"X-Caf\u00e9": "1"},  # httpx refuses it: so must we, the same way
+    {"X-Value": "caf\u00e9"},
+]
+
+
+@pytest.mark.parametrize("base", ["http://127.0.0.1:8000", "http://example.test", "http://[::1]:81/a/"])
+@pytest.mark.parametrize("method", ["POST", "put", "PATCH", "GET", "DELETE"])
+@pytest.mark.parametrize("content", [None, b"", b'{"sku":"X"}'])
+def test_built_request_is_httpx_request(base: str, method: str, content: bytes | None) -> None:
+    client = build_client(Endpoint(name="rx", base_url=base), httpx.MockTransport(_ok))
+    for headers in EDGE_HEADERS:
+        for _ in range(2):  # the second time from the remembered URL
+            ours = _built(lambda h=headers: sending.build_request(
+                client, method, "/orders?x=1", headers=h, content=content))
+            theirs = _built(lambda h=headers: client.build_request(
+                method, "/orders?x=1", headers=h, content=content))
+            assert ours == theirs, headers
+
+
+def _built(build: Any) -> Any:
+    try:
+        request = build()
+    except Exception as exc:  # the same error, or none
+        return type(exc), str(exc)
+    state = dict(vars(request))
+    state["url"] = str(request.url)
+    state["headers"] = (request.headers.raw, request.headers._encoding)
+    state["stream"] = (type(request.stream), b"".join(request.stream))
+    return state
