@@ -131,7 +131,6 @@ class Dispatcher:
             clock=clock,
             poll_seconds=settings.idle_poll_seconds,
         )
-        self._claimed_none = False
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -236,8 +235,8 @@ class Dispatcher:
                 try:
                     await self._maybe_sync_clock()
                     self.wakeup.before_claim()
-                    started = await self._claim_and_start(min(free, self.settings.batch_size))
-                    if self._claimed_none and not once:
+                    got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
+                    if nothing and not once:
                         self.wakeup.next_due(
                             await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
                         )
@@ -252,12 +251,12 @@ class Dispatcher:
                     await wait_any(stop, timeout=backoff)
                     continue
                 backoff = 0.0
-                self._start(started)
+                self._start(got)
                 if on_progress is not None:
                     on_progress(self.summary)
                 if once:
                     break
-                if self._claimed_none:
+                if nothing:
                     if until_empty:
                         if self._inflight == 0:
                             break  # nothing due, every outcome written
@@ -330,18 +329,17 @@ class Dispatcher:
             refused=refused,
         )
 
-    async def _claim_and_start(self, limit: int) -> list[Work]:
-        # One transaction: the claim, the decisions about it and the attempt rows of
-        # everything to send. It commits before any request of the batch goes out.
+    async def _claim_and_start(self, limit: int) -> tuple[list[Work], bool]:
+        # The work to start, and whether nothing was claimed. One transaction: the claim,
+        # its decisions, the attempt rows; it commits before any request goes out.
         args = self._claim_args(limit)
         result = await self._run_db(self.store.claim_and_begin, **args.kwargs)
-        return await self._claimed(result, args)
+        return await self._claimed(result, args), not result.claimed
 
     async def _claimed(self, result: ClaimResult, args: _ClaimArgs) -> list[Work]:
         """Account for a committed claim; the work to start (nothing is sent yet)."""
         token, now, claimed_mono, refused = args.token, args.now, args.claimed_mono, args.refused
         claimed = result.claimed
-        self._claimed_none = not claimed
         self.wakeup.after_claim(len(claimed))
         if not claimed:
             return []
@@ -525,6 +523,9 @@ class Dispatcher:
             works = await self._claimed(result, args)
         except Exception as exc:
             self._log.exception("claim_crashed", error=type(exc).__name__)
+            for begun in result.started:  # none of it starts: no outcome will come
+                self._names.pop(begun.pk, None)
+                self._lease_ends.pop(begun.pk, None)
         finally:
             self._start(works)
             self._reserve(-reserved)

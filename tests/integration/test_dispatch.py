@@ -357,6 +357,35 @@ def test_a_writer_failing_after_a_carried_claim_does_not_hang_the_stop(
     assert dispatcher._claiming == 0
 
 
+def test_a_carried_claim_that_fails_to_start_leaves_no_bookkeeping_behind(
+    make_ob: MakeOutbox, receiver: Receiver
+) -> None:
+    """The outcome writer carries a claim whose accounting then fails: its attempt rows
+    are committed (their leases expire and the next claim closes them as unknown), and
+    the dispatcher keeps nothing about them in memory."""
+    ob = make_ob()
+    for i in range(3):
+        _enqueue(ob, f"carried-{i}")
+    dispatcher = ob.dispatcher(DispatcherSettings(concurrency=1, batch_size=1))
+    hits: list[str] = []
+
+    async def fail_the_carried_claim(name: str) -> None:
+        hits.append(name)
+        if len(hits) == 2:  # the first claim is the loop's; the second rides an outcome
+            raise RuntimeError("accounting failed after the carried claim")
+
+    failpoints.register("after_claim", fail_the_carried_claim)
+    try:
+        summary = asyncio.run(dispatcher.run(until_empty=True))
+    finally:
+        failpoints.clear("after_claim")
+    assert len(hits) >= 2
+    assert dispatcher._names == {} and dispatcher._lease_ends == {}
+    states = [ob.get(f"carried-{i}").state for i in range(3)]
+    assert states.count(State.IN_FLIGHT) == 1  # leased, its attempt open, never sent
+    assert summary.succeeded == 2 and len(receiver.requests()) == 2
+
+
 def test_fenced_write_from_a_lost_lease_changes_nothing(make_ob: MakeOutbox) -> None:
     """A claims, its lease expires, B claims; A's late writes match nothing."""
     from outbox.store.records import AttemptOutcome
