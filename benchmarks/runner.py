@@ -222,25 +222,37 @@ class Run:
                     _say(f"  [{rep + 1}/{p.repeats}] {name}: {value:,.0f} ops/s")
 
     def e2e(self, rx: Any) -> None:
-        from benchmarks.dispatch import run_end_to_end, run_end_to_end_live
+        from benchmarks.dispatch import (
+            run_end_to_end,
+            run_end_to_end_live,
+            run_end_to_end_process,
+        )
 
         p, t = self.p, self.transport
-        shapes = (
-            ("e2e", "outbox end to end (enqueue all, then dispatch)", run_end_to_end),
+        factory = transports.CANDIDATES[t]
+        shapes: tuple[tuple[str, str, Callable[..., dict[str, float]], Any], ...] = (
+            ("e2e", "outbox end to end (enqueue all, then dispatch)", run_end_to_end, factory),
             (
                 "e2e_live",
-                "outbox end to end (dispatcher running while the app enqueues)",
+                "outbox end to end (dispatcher thread in the app, running while it enqueues)",
                 run_end_to_end_live,
+                factory,
+            ),
+            (
+                "e2e_process",
+                "outbox end to end (`outbox dispatch` process, running while the app enqueues)",
+                run_end_to_end_process,
+                t,
             ),
         )
         for rep in range(p.repeats):
             for kind in self.dbs:
-                for tag, title, fn in shapes:
+                for tag, title, fn, how in shapes:
                     with database(kind, self.dir, tag) as url:
                         out = self._safe(
                             f"{tag}_{kind}",
-                            lambda url=url, fn=fn: fn(
-                                url, rx.url, p.n, p.concurrency, transports.CANDIDATES[t]
+                            lambda url=url, fn=fn, how=how: fn(
+                                url, rx.url, p.n, p.concurrency, how
                             ),
                         )
                     if out is None:
@@ -624,13 +636,23 @@ def targets(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
         0.5,
     )
     add(
-        "end to end SQLite / DBOS SQLite (dispatcher running while enqueuing, DBOS's shape)",
+        "end to end SQLite / DBOS SQLite (dispatcher thread in the app, DBOS's shape)",
         _ratio(med("e2e_live_sqlite"), med("dbos_sqlite")),
         15,
     )
     add(
-        "end to end PostgreSQL / DBOS PostgreSQL (dispatcher running while enqueuing)",
+        "end to end PostgreSQL / DBOS PostgreSQL (dispatcher thread in the app)",
         _ratio(med("e2e_live_postgres"), med("dbos_postgres")),
+        5,
+    )
+    add(
+        "end to end SQLite / DBOS SQLite (`outbox dispatch` process while enqueuing)",
+        _ratio(med("e2e_process_sqlite"), med("dbos_sqlite")),
+        15,
+    )
+    add(
+        "end to end PostgreSQL / DBOS PostgreSQL (`outbox dispatch` process while enqueuing)",
+        _ratio(med("e2e_process_postgres"), med("dbos_postgres")),
         5,
     )
     add(

@@ -45,6 +45,7 @@ def test_benchmark_smoke_run_writes_a_report(tmp_path: Path) -> None:
         "dispatch_sqlite",
         "e2e_sqlite",
         "e2e_live_sqlite",
+        "e2e_process_sqlite",
         "enqueue_own_sqlite",
         "enqueue_caller_tx_sqlite",
         "bare_insert_tx_sqlite",
