@@ -24,7 +24,7 @@ from outbox.store.records import (
     Settlement,
     StoredResult,
 )
-from outbox.store.rows import operation_row
+from outbox.store.rows import headers_text, operation_row
 from outbox.store.tables import attempts, operations
 
 T0 = 1_700_000_000_000
@@ -248,3 +248,143 @@ def test_claim_begin_record_settle_release_row_by_row(store: Store) -> None:
     assert (op3["state"], op3["next_attempt_at"], op3["lease_token"]) == (
         "pending", late + 5, None
     )
+
+
+def _written(row: dict[str, Any], out: AttemptOutcome, now: int) -> None:
+    """What an applied outcome does to its operation's row (the contract, spelled out)."""
+    row.update(state=out.state.value, reason=out.reason.value if out.reason else None,
+               next_attempt_at=out.next_attempt_at, lease_token=None, lease_owner=None,
+               lease_until=None, maybe_delivered=out.maybe_delivered,
+               saw_refusal=out.saw_refusal, updated_at=now)  # fmt: skip
+    if not out.counted:
+        row["attempts_counted"] -= 1
+    if out.in_progress:
+        row["attempts_in_progress"] += 1
+    if out.state.is_settled:
+        row["finished_at"] = now
+    if out.result is not None:
+        r = out.result
+        row.update(result_status=r.status, result_body=r.body, result_sha256=r.sha256,
+                   result_size=r.size, result_truncated=r.truncated)  # fmt: skip
+
+
+def _closed(att: dict[str, Any], out: AttemptOutcome, now: int) -> None:
+    att.update(delivery=out.delivery.value, verdict=out.verdict.value if out.verdict else None,
+               counted=out.counted, status_code=out.status_code,
+               receiver_request_id=out.receiver_request_id, error_class=out.error_class,
+               error_message=out.error_message, duration_ms=out.duration_ms,
+               finished_at=now)  # fmt: skip
+
+
+def test_outcome_batches_of_every_shape_nulls_and_stale_tokens(store: Store) -> None:
+    """One batch of outcomes of several kinds (each kind written by its own statement),
+    NULL and non-NULL values side by side in a column, outcomes of two claims and a
+    stale one among them; then a batch of one. Every column of both tables compared."""
+    pks = _load(store, 9)
+    now = T0 + 100
+    send = lambda claimed: ClaimPlan(send={c.pk: f"r{pks.index(c.pk)}" for c in claimed})  # noqa: E731
+    # A batch of one, then the rest under another lease.
+    one = store.claim_and_begin(owner="d1", token="A1", now_ms=now, lease_ms=LEASE, limit=1,
+                                plan=send)  # fmt: skip
+    assert [(s.pk, s.request_id, s.number) for s in one.started] == [(pks[0], "r0", 1)]
+    rest = store.claim_and_begin(owner="d2", token="A", now_ms=now, lease_ms=LEASE, limit=8,
+                                 plan=send)  # fmt: skip
+    assert sorted(s.pk for s in rest.started) == pks[1:]
+    until = now + LEASE
+    atts = _atts(store)
+    assert atts == [
+        dict(operation_pk=pk, number=1, request_id=f"r{i}", dispatcher_id="d1" if i == 0 else "d2",
+             lease_token="A1" if i == 0 else "A", started_at=now, lease_until=until,
+             finished_at=None, delivery=None, verdict=None, counted=True, status_code=None,
+             receiver_request_id=None, error_class=None, error_message=None, duration_ms=None)
+        for i, pk in enumerate(pks)
+    ]  # fmt: skip
+
+    bare = StoredResult(status=200, headers={}, body=None, sha256=None, size=70_000,
+                        truncated=True)  # fmt: skip
+    full = StoredResult(status=201, headers={"b": "2", "a": "1"}, body="{}", sha256="s" * 64,
+                        size=2, truncated=False)  # fmt: skip
+    refused = StoredResult(status=422, headers={"x": "\u00e9\\"}, body='{"e":"\\"\\u00e9"}',
+                           sha256="f" * 64, size=7, truncated=False)  # fmt: skip
+    outs = [
+        # Succeeded with a result: NULL body and hash beside a full result.
+        _outcome(pks[0], "A1", "r0", result=bare, receiver_request_id=None),
+        _outcome(pks[1], "A", "r1", result=full),
+        # "Still processing": not counted, in progress, due again.
+        _outcome(pks[2], "A", "r2", verdict=Verdict.IN_PROGRESS, counted=False,
+                 status_code=409, state=State.PENDING, next_attempt_at=now + 900,
+                 maybe_delivered=False, in_progress=True),
+        # A counted retry (due again), and one with NULL error fields beside a set one.
+        _outcome(pks[3], "A", "r3", verdict=Verdict.RETRY, status_code=503,
+                 state=State.PENDING, next_attempt_at=now + 500, saw_refusal=True,
+                 maybe_delivered=False, error_class="http_503",
+                 error_message='busy: "déjà" \\ {x, y} NULL'),
+        _outcome(pks[4], "A", "r4", delivery=Delivery.UNKNOWN, verdict=None, status_code=None,
+                 receiver_request_id="", error_class="timeout", error_message=None,
+                 state=State.UNRESOLVED, reason=Reason.OUTCOME_UNKNOWN),
+        # Fenced out: the lease is "A", not "stale".
+        _outcome(pks[5], "stale", "r5", state=State.FAILED),
+        # Failed with the answer kept, not counted.
+        _outcome(pks[6], "A", "r6", verdict=Verdict.KEY_CONFLICT, counted=False, status_code=422,
+                 state=State.FAILED, reason=Reason.KEY_CONFLICT, result=refused),
+        _outcome(pks[7], "A", "r7", state=State.UNRESOLVED, reason=Reason.RETRIES_EXHAUSTED,
+                 verdict=Verdict.RETRY, status_code=500, saw_refusal=True),
+    ]  # fmt: skip
+    before, atts_before = _ops(store), _atts(store)
+    written = store.record_outcomes(now_ms=now + 10, outcomes=outs)
+    assert written == set(pks[:8]) - {pks[5]}
+    expected = {pk: dict(row) for pk, row in before.items()}
+    expected_atts = [dict(a) for a in atts_before]
+    for out in outs:
+        if out.pk in written:
+            _written(expected[out.pk], out, now + 10)
+            _closed(expected_atts[pks.index(out.pk)], out, now + 10)
+    expected[pks[0]]["result_headers"] = "{}"
+    expected[pks[1]]["result_headers"] = '{"a": "1", "b": "2"}'
+    expected[pks[6]]["result_headers"] = headers_text(refused.headers)
+    assert _ops(store) == expected
+    assert _atts(store) == expected_atts
+
+    # A batch of one, and a stale outcome alone (nothing written).
+    last = _outcome(pks[8], "A", "r8", result=full, error_class="x", error_message="y")
+    assert store.record_outcomes(now_ms=now + 20, outcomes=[_outcome(pks[5], "B", "r5")]) == set()
+    assert _ops(store) == expected and _atts(store) == expected_atts
+    assert store.record_outcomes(now_ms=now + 20, outcomes=[last]) == {pks[8]}
+    _written(expected[pks[8]], last, now + 20)
+    expected[pks[8]]["result_headers"] = '{"a": "1", "b": "2"}'
+    _closed(expected_atts[8], last, now + 20)
+    assert _ops(store) == expected
+    assert _atts(store) == expected_atts
+
+
+def test_an_outcome_twice_in_one_batch_is_written_row_by_row(store: Store) -> None:
+    """No dispatcher writes an operation twice in one batch; if a caller does, each
+    UPDATE runs row by row as it always has: the operations per kind of outcome, in the
+    order of each kind's first outcome, the attempts in batch order; the first UPDATE to
+    find the lease held wins (it clears the lease), the first to find the attempt open."""
+    pks = _load(store, 3)
+    now = T0 + 100
+    store.claim_and_begin(owner="d1", token="A", now_ms=now, lease_ms=LEASE, limit=3,
+                          plan=lambda claimed: ClaimPlan(send={c.pk: f"r{pks.index(c.pk)}"
+                                                               for c in claimed}))  # fmt: skip
+    retry = dict(state=State.PENDING, verdict=Verdict.RETRY, status_code=503,
+                 maybe_delivered=False)  # fmt: skip
+    other = _outcome(pks[1], "A", "r1", next_attempt_at=now + 7, **retry)
+    first = _outcome(pks[0], "A", "r0")
+    again = _outcome(pks[0], "A", "r0", next_attempt_at=now + 5, duration_ms=9, **retry)
+    same_a = _outcome(pks[2], "A", "r2", next_attempt_at=now + 1, duration_ms=1, **retry)
+    same_b = _outcome(pks[2], "A", "r2", next_attempt_at=now + 2, duration_ms=2, **retry)
+    before, atts_before = _ops(store), _atts(store)
+    outs = [other, first, again, same_a, same_b]
+    assert store.record_outcomes(now_ms=now + 10, outcomes=outs) == set(pks)
+    expected = {pk: dict(row) for pk, row in before.items()}
+    # The retries' UPDATE (the kind of "other") runs first: "again" finds the lease.
+    _written(expected[pks[0]], again, now + 10)
+    _written(expected[pks[1]], other, now + 10)
+    _written(expected[pks[2]], same_a, now + 10)
+    expected_atts = [dict(a) for a in atts_before]
+    _closed(expected_atts[0], first, now + 10)
+    _closed(expected_atts[1], other, now + 10)
+    _closed(expected_atts[2], same_a, now + 10)
+    assert _ops(store) == expected
+    assert _atts(store) == expected_atts
