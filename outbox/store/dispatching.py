@@ -32,8 +32,10 @@ from outbox.store.statements import (
     _ATTEMPT_OUTCOME,
     INSERT_ATTEMPTS,
     BatchStatements,
+    OutcomeShape,
     _outcome_update,
     batch_statements,
+    outcome_shape,
 )
 from outbox.store.tables import attempts, operations
 
@@ -291,22 +293,37 @@ class DispatchQueries:
             for r in rows
         ]
         if started:
-            conn.execute(
-                INSERT_ATTEMPTS,
-                [
-                    {
-                        "operation_pk": s.pk,
-                        "number": s.number,
-                        "request_id": s.request_id,
-                        "dispatcher_id": owner,
-                        "lease_token": token,
-                        "started_at": now_ms,
-                        "lease_until": lease_until,
-                    }
-                    for s in started
-                ],
-            )
+            self._insert_attempts_on(conn, owner=owner, token=token, now_ms=now_ms,
+                                     lease_until=lease_until, started=started)  # fmt: skip
         return started
+
+    def _insert_attempts_on(
+        self,
+        conn: Connection,
+        *,
+        owner: str,
+        token: str,
+        now_ms: int,
+        lease_until: int,
+        started: Sequence[StartedAttempt],
+    ) -> None:
+        """The open attempt rows of ``started`` (one INSERT executed per row; a dialect
+        may write them in one statement)."""
+        conn.execute(
+            INSERT_ATTEMPTS,
+            [
+                {
+                    "operation_pk": s.pk,
+                    "number": s.number,
+                    "request_id": s.request_id,
+                    "dispatcher_id": owner,
+                    "lease_token": token,
+                    "started_at": now_ms,
+                    "lease_until": lease_until,
+                }
+                for s in started
+            ],
+        )
 
     def record_outcomes(self, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
         """Write attempt outcomes and transitions; returns the operations written.
@@ -332,7 +349,16 @@ class DispatchQueries:
         mine = [out for out in outcomes if held.get(out.pk) == out.lease_token]
         if not mine:
             return set()
-        groups: dict[tuple[bool, bool, bool, bool], list[dict[str, Any]]] = {}
+        self._write_outcomes_on(conn, now_ms=now_ms, mine=mine)
+        return {out.pk for out in mine}
+
+    def _write_outcomes_on(
+        self, conn: Connection, *, now_ms: int, mine: Sequence[AttemptOutcome]
+    ) -> None:
+        """Write outcomes whose lease the fencing read found held (the rows locked):
+        per kind of transition, one prepared UPDATE executed for each of its rows, in
+        the order of the first outcome of each kind; then the attempts, in order."""
+        groups: dict[OutcomeShape, list[dict[str, Any]]] = {}
         for out in mine:
             params: dict[str, Any] = {
                 "b_pk": out.pk,
@@ -353,8 +379,7 @@ class DispatchQueries:
                     b_rsize=out.result.size,
                     b_rtrunc=out.result.truncated,
                 )
-            shape = (out.counted, out.state.is_settled, out.result is not None, out.in_progress)
-            groups.setdefault(shape, []).append(params)
+            groups.setdefault(outcome_shape(out), []).append(params)
         for shape, rows in groups.items():
             conn.execute(_outcome_update(*shape), rows)
         conn.execute(
@@ -375,7 +400,6 @@ class DispatchQueries:
                 for out in mine
             ],
         )
-        return {out.pk for out in mine}
 
     def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
         """Move claimed operations to a state without sending (e.g. window closed).

@@ -24,6 +24,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import FromClause
 
 from outbox.model import BLOCKING_STATES, DUE_STATES, Delivery, ErrorClass, State, state_values
+from outbox.store.records import AttemptOutcome
 from outbox.store.tables import attempts, operations
 
 
@@ -101,11 +102,82 @@ def claim_limits() -> tuple[Any, Any]:
     return bindparam("now_ms", type_=BigInteger), bindparam("limit", type_=Integer)
 
 
-_OUTCOME_UPDATES: dict[tuple[bool, bool, bool, bool], Any] = {}
+#: A kind of attempt outcome: (counted, settled, has a result, "still processing").
+OutcomeShape = tuple[bool, bool, bool, bool]
+
+#: Where a per-row value of the outcome writes comes from, by parameter name: a bound
+#: parameter (one row per execution) or a column of a set of rows (one execution per
+#: batch, on PostgreSQL). ``b_now`` is always a bound parameter.
+Source = Callable[[str], Any]
+
+
+def outcome_shape(out: AttemptOutcome) -> OutcomeShape:
+    """Which :func:`outcome_update` writes ``out``."""
+    return (out.counted, out.state.is_settled, out.result is not None, out.in_progress)
+
+
+def outcome_update(shape: OutcomeShape, source: Source) -> Any:
+    """The fenced UPDATE of an operation for one kind of attempt outcome: the row
+    ``b_pk``, only while it still holds the lease ``b_token``."""
+    counted, settled, has_result, in_progress = shape
+    now: Any = bindparam("b_now")
+    values: dict[str, Any] = {
+        "state": source("b_state"),
+        "reason": source("b_reason"),
+        "next_attempt_at": source("b_next"),
+        "lease_token": None,
+        "lease_owner": None,
+        "lease_until": None,
+        "maybe_delivered": source("b_maybe"),
+        "saw_refusal": source("b_refusal"),
+        "updated_at": now,
+    }
+    if not counted:
+        values["attempts_counted"] = operations.c.attempts_counted - 1
+    if in_progress:
+        values["attempts_in_progress"] = operations.c.attempts_in_progress + 1
+    if settled:
+        values["finished_at"] = now
+    if has_result:
+        values.update(
+            result_status=source("b_rstatus"),
+            result_headers=source("b_rheaders"),
+            result_body=source("b_rbody"),
+            result_sha256=source("b_rsha"),
+            result_size=source("b_rsize"),
+            result_truncated=source("b_rtrunc"),
+        )
+    return (
+        update(operations)
+        .where(operations.c.id == source("b_pk"), operations.c.lease_token == source("b_token"))
+        .values(values)
+    )
+
+
+def attempt_outcome_update(source: Source) -> Any:
+    """Close the open attempt ``b_rid`` with what it observed."""
+    return (
+        update(attempts)
+        .where(attempts.c.request_id == source("b_rid"), attempts.c.delivery.is_(None))
+        .values(
+            delivery=source("b_delivery"),
+            verdict=source("b_verdict"),
+            counted=source("b_counted"),
+            status_code=source("b_status"),
+            receiver_request_id=source("b_rrid"),
+            error_class=source("b_eclass"),
+            error_message=source("b_emsg"),
+            duration_ms=source("b_duration"),
+            finished_at=bindparam("b_now"),
+        )
+    )
+
+
+_OUTCOME_UPDATES: dict[OutcomeShape, Any] = {}
 
 
 def _outcome_update(counted: bool, settled: bool, has_result: bool, in_progress: bool) -> Any:
-    """The prepared, fenced UPDATE of an operation for one kind of attempt outcome.
+    """:func:`outcome_update` with a bound parameter per value, executed per row.
 
     Built once per kind and executed with parameters: building a statement with literal
     ``.values()`` per row costs SQLAlchemy more than the database spends running it.
@@ -113,59 +185,11 @@ def _outcome_update(counted: bool, settled: bool, has_result: bool, in_progress:
     key = (counted, settled, has_result, in_progress)
     stmt = _OUTCOME_UPDATES.get(key)
     if stmt is None:
-        values: dict[str, Any] = {
-            "state": bindparam("b_state"),
-            "reason": bindparam("b_reason"),
-            "next_attempt_at": bindparam("b_next"),
-            "lease_token": None,
-            "lease_owner": None,
-            "lease_until": None,
-            "maybe_delivered": bindparam("b_maybe"),
-            "saw_refusal": bindparam("b_refusal"),
-            "updated_at": bindparam("b_now"),
-        }
-        if not counted:
-            values["attempts_counted"] = operations.c.attempts_counted - 1
-        if in_progress:
-            values["attempts_in_progress"] = operations.c.attempts_in_progress + 1
-        if settled:
-            values["finished_at"] = bindparam("b_now")
-        if has_result:
-            values.update(
-                result_status=bindparam("b_rstatus"),
-                result_headers=bindparam("b_rheaders"),
-                result_body=bindparam("b_rbody"),
-                result_sha256=bindparam("b_rsha"),
-                result_size=bindparam("b_rsize"),
-                result_truncated=bindparam("b_rtrunc"),
-            )
-        stmt = (
-            update(operations)
-            .where(
-                operations.c.id == bindparam("b_pk"),
-                operations.c.lease_token == bindparam("b_token"),
-            )
-            .values(values)
-        )
-        _OUTCOME_UPDATES[key] = stmt
+        stmt = _OUTCOME_UPDATES[key] = outcome_update(key, bindparam)
     return stmt
 
 
-_ATTEMPT_OUTCOME = (
-    update(attempts)
-    .where(attempts.c.request_id == bindparam("b_rid"), attempts.c.delivery.is_(None))
-    .values(
-        delivery=bindparam("b_delivery"),
-        verdict=bindparam("b_verdict"),
-        counted=bindparam("b_counted"),
-        status_code=bindparam("b_status"),
-        receiver_request_id=bindparam("b_rrid"),
-        error_class=bindparam("b_eclass"),
-        error_message=bindparam("b_emsg"),
-        duration_ms=bindparam("b_duration"),
-        finished_at=bindparam("b_now"),
-    )
-)
+_ATTEMPT_OUTCOME = attempt_outcome_update(bindparam)
 
 
 #: ``column`` is one of the primary keys passed as the parameter named by the second
