@@ -9,12 +9,14 @@ machines can claim concurrently: each skips the rows the others hold.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Boolean,
     Connection,
     Integer,
     Text,
@@ -35,8 +37,17 @@ from sqlalchemy.types import TypeEngine
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
 from outbox.store.marker import COLUMN as MARKER_COLUMN
-from outbox.store.records import StartedAttempt, TxStatus
-from outbox.store.statements import CLAIM_VALUES, claim_limits, claimable_ids
+from outbox.store.records import AttemptOutcome, StartedAttempt, TxStatus
+from outbox.store.rows import headers_text
+from outbox.store.statements import (
+    CLAIM_VALUES,
+    OutcomeShape,
+    attempt_outcome_update,
+    claim_limits,
+    claimable_ids,
+    outcome_shape,
+    outcome_update,
+)
 from outbox.store.tables import attempts, operations
 
 
@@ -47,6 +58,33 @@ def unnest(types: dict[str, TypeEngine[Any]]) -> Any:
     a longer value short where a parameter is refused."""
     arrays = [bindparam(name, type_=ARRAY(t)) for name, t in types.items()]
     return func.unnest(*arrays).table_valued(*types).render_derived(name="v")
+
+
+_OUTCOME_COLUMNS: dict[str, TypeEngine[Any]] = {
+    "b_pk": BigInteger(), "b_token": Text(), "b_state": Text(), "b_reason": Text(),
+    "b_next": BigInteger(), "b_maybe": Boolean(), "b_refusal": Boolean(),
+}  # fmt: skip
+_RESULT_COLUMNS: dict[str, TypeEngine[Any]] = {
+    "b_rstatus": Integer(), "b_rheaders": Text(), "b_rbody": Text(), "b_rsha": Text(),
+    "b_rsize": Integer(), "b_rtrunc": Boolean(),
+}  # fmt: skip
+_ATTEMPT_COLUMNS: dict[str, TypeEngine[Any]] = {
+    "b_rid": Text(), "b_delivery": Text(), "b_verdict": Text(), "b_counted": Boolean(),
+    "b_status": Integer(), "b_rrid": Text(), "b_eclass": Text(), "b_emsg": Text(),
+    "b_duration": Integer(),
+}  # fmt: skip
+
+
+@functools.cache
+def _outcomes_update(shape: OutcomeShape) -> Any:
+    # The fenced UPDATE of one kind of outcome, joined to the batch's rows of that kind.
+    rows = unnest(_OUTCOME_COLUMNS | (_RESULT_COLUMNS if shape[2] else {}))
+    return outcome_update(shape, lambda name: rows.c[name])
+
+
+def _attempts_update() -> Any:
+    rows = unnest(_ATTEMPT_COLUMNS)
+    return attempt_outcome_update(lambda name: rows.c[name])
 
 
 def _attempts_insert() -> Any:
@@ -60,6 +98,7 @@ def _attempts_insert() -> Any:
     )  # fmt: skip
 
 
+_ATTEMPTS_UPDATE = _attempts_update()
 _ATTEMPTS_INSERT = _attempts_insert()
 
 
@@ -76,7 +115,7 @@ class PostgresStore(Store):
         # number of keys.
         return column == any_(bindparam(name, type_=ARRAY(BigInteger)))
 
-    # -- a batch's rows in one statement ----------------------------------------------
+    # -- a batch's rows in one statement each -----------------------------------------
     # psycopg's executemany (pipeline mode) spends more CPU per row than the server
     # does; one statement over arrays is executed once, whatever the batch's size.
 
@@ -96,6 +135,56 @@ class PostgresStore(Store):
              "b_rid": [s.request_id for s in started], "b_owner": owner, "b_token": token,
              "b_now": now_ms, "b_until": lease_until},
         )  # fmt: skip
+
+    def _write_outcomes_on(
+        self, conn: Connection, *, now_ms: int, mine: Sequence[AttemptOutcome]
+    ) -> None:
+        if len({o.pk for o in mine}) < len(mine) or len({o.request_id for o in mine}) < len(mine):
+            # An operation or attempt twice in one batch. No dispatcher writes that (an
+            # attempt has one outcome; one of an older lease failed the fencing read), but
+            # a joined UPDATE would write either row: row by row, as SQLite does.
+            super()._write_outcomes_on(conn, now_ms=now_ms, mine=mine)
+            return
+        groups: dict[OutcomeShape, list[AttemptOutcome]] = {}
+        for out in mine:
+            groups.setdefault(outcome_shape(out), []).append(out)
+        for shape, outs in groups.items():
+            params: dict[str, Any] = {
+                "b_pk": [o.pk for o in outs],
+                "b_token": [o.lease_token for o in outs],
+                "b_state": [o.state.value for o in outs],
+                "b_reason": [o.reason.value if o.reason else None for o in outs],
+                "b_next": [o.next_attempt_at for o in outs],
+                "b_maybe": [o.maybe_delivered for o in outs],
+                "b_refusal": [o.saw_refusal for o in outs],
+                "b_now": now_ms,
+            }
+            results = [o.result for o in outs if o.result is not None]
+            if results:
+                params.update(
+                    b_rstatus=[r.status for r in results],
+                    b_rheaders=[headers_text(r.headers) for r in results],
+                    b_rbody=[r.body for r in results],
+                    b_rsha=[r.sha256 for r in results],
+                    b_rsize=[r.size for r in results],
+                    b_rtrunc=[r.truncated for r in results],
+                )
+            conn.execute(_outcomes_update(shape), params)
+        conn.execute(
+            _ATTEMPTS_UPDATE,
+            {
+                "b_rid": [o.request_id for o in mine],
+                "b_delivery": [o.delivery.value for o in mine],
+                "b_verdict": [o.verdict.value if o.verdict else None for o in mine],
+                "b_counted": [o.counted for o in mine],
+                "b_status": [o.status_code for o in mine],
+                "b_rrid": [o.receiver_request_id for o in mine],
+                "b_eclass": [o.error_class for o in mine],
+                "b_emsg": [o.error_message for o in mine],
+                "b_duration": [o.duration_ms for o in mine],
+                "b_now": now_ms,
+            },
+        )
 
     def _claim_statement(self) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts
