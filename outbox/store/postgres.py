@@ -13,6 +13,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from psycopg.types.array import ListBinaryDumper
 from sqlalchemy import (
     ARRAY,
     BigInteger,
@@ -31,8 +32,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.types import TypeEngine
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
@@ -51,12 +53,40 @@ from outbox.store.statements import (
 from outbox.store.tables import attempts, operations
 
 
+class BinaryList(list[Any]):
+    """A list psycopg sends as a binary array, on a connection :func:`send_binary_lists`
+    prepared (another sends it as a text array: the same value, more slowly)."""
+
+
+def send_binary_lists(conn: Connection) -> None:
+    """Have psycopg send :class:`BinaryList` values on this connection as binary arrays:
+    registered once per DBAPI connection (the pool forgets the mark with the connection)."""
+    pooled = conn.connection
+    if "outbox_binary_lists" not in pooled.info:
+        driver: Any = pooled.driver_connection  # a psycopg.Connection
+        driver.adapters.register_dumper(BinaryList, ListBinaryDumper)
+        pooled.info["outbox_binary_lists"] = True
+
+
+class BinaryArray(TypeDecorator[list[Any]]):
+    """``ARRAY(item)`` whose value reaches psycopg as a :class:`BinaryList`. psycopg's
+    text array format quotes each string through regular expressions (7 µs for a short
+    JSON object, 48 µs per operation in a drain), the binary one copies its bytes."""
+
+    impl = ARRAY
+    cache_ok = True
+
+    def bind_processor(self, dialect: Dialect) -> Any:
+        # Instead of ARRAY's, which copies the value into a plain list.
+        return BinaryList
+
+
 def unnest(types: dict[str, TypeEngine[Any]]) -> Any:
     """``unnest(:a::T[], :b::U[], ...) AS v(a, b, ...)``: a row per position of the
     arrays passed as the parameters named as its columns (of one length; a None
     element is a NULL). Strings travel as TEXT[]: a cast to VARCHAR(n)[] would cut
     a longer value short where a parameter is refused."""
-    arrays = [bindparam(name, type_=ARRAY(t)) for name, t in types.items()]
+    arrays = [bindparam(name, type_=BinaryArray(t)) for name, t in types.items()]
     return func.unnest(*arrays).table_valued(*types).render_derived(name="v")
 
 
@@ -129,6 +159,7 @@ class PostgresStore(Store):
         lease_until: int,
         started: Sequence[StartedAttempt],
     ) -> None:
+        send_binary_lists(conn)
         conn.execute(
             _ATTEMPTS_INSERT,
             {"b_pk": [s.pk for s in started], "b_number": [s.number for s in started],
@@ -145,6 +176,7 @@ class PostgresStore(Store):
             # a joined UPDATE would write either row: row by row, as SQLite does.
             super()._write_outcomes_on(conn, now_ms=now_ms, mine=mine)
             return
+        send_binary_lists(conn)
         groups: dict[OutcomeShape, list[AttemptOutcome]] = {}
         for out in mine:
             groups.setdefault(outcome_shape(out), []).append(out)
