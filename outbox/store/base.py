@@ -133,7 +133,11 @@ class Store(OperatorQueries, DispatchQueries):
         instrumentation such as OpenTelemetry's): then every statement goes through
         SQLAlchemy, where it sees them, and :meth:`insert_own` is not used."""
         dispatch = self.engine.dispatch
-        return bool(dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+        return bool(
+            dispatch.before_cursor_execute
+            or dispatch.after_cursor_execute
+            or self.engine.dialect.is_async  # its driver's calls are coroutines
+        )
 
     def insert_own(self, row: dict[str, Any]) -> int | None:
         """Insert one operation (``row``: see :func:`operation_row`) in a transaction of

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError
+from outbox.store.busy import begin_immediate, last_try
+from outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.tables import operations
 
@@ -71,7 +73,7 @@ class DirectInsert:
         self._processors: dict[str, Callable[[Any], Any]] = {
             name: p for name, p in processors.items() if p is not None
         }
-        self._begin = "BEGIN IMMEDIATE" if dialect.name == "sqlite" else None
+        self._sqlite = dialect.name == "sqlite"
         self._dialect = dialect
 
     def accepts(self, row: dict[str, Any]) -> bool:
@@ -99,8 +101,11 @@ class DirectInsert:
             assert dbapi is not None
             cursor = dbapi.cursor()
             try:
-                if self._begin is not None:
-                    cursor.execute(self._begin)
+                if self._sqlite:
+                    left = begin_immediate(dbapi, SQLITE_BUSY_TIMEOUT_MS)
+                    if left is not None:
+                        last_try(dbapi, left, lambda: cursor.execute("BEGIN IMMEDIATE"),
+                                 SQLITE_BUSY_TIMEOUT_MS)  # fmt: skip
                 cursor.execute(self._sql, params)
                 rows = cursor.fetchall()  # to the statement's end: nothing left running
                 names = [d[0] for d in cursor.description or ()]

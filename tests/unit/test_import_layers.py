@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "outbox.store.statements",
             "outbox.store.changes",
             "outbox.store.marker",
+            "outbox.store.busy",
         ),
     ),
     (
