@@ -10,14 +10,19 @@ are held in memory. A body that was not read to the end is reported as such
 
 The caller bounds the time (the attempt deadline); the reader yields to the event loop
 between steps, so the deadline can fire even while a bomb is being inflated.
+
+A transport's stream may offer its raw chunks directly (:class:`RawStream`, as the shipped
+``AiohttpTransport``'s does): read without httpx's iterator around it, to the same
+``httpx.Response`` state. Any other stream is read through ``Response.aiter_raw``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,26 +124,53 @@ def _decode(decoders: list[_Inflate], data: bytes, level: int = 0) -> Iterator[b
         yield from _decode(decoders, piece, level + 1)
 
 
+class RawStream:
+    """A response stream that hands over its raw body one chunk at a time.
+
+    :func:`read_body` reads such a stream (when the transport's response reaches it
+    unwrapped) without ``Response.aiter_raw`` and the stream's own iterator around it.
+    """
+
+    __slots__ = ()
+
+    async def read_raw(self) -> bytes:
+        """The next raw chunk, ``b""`` at the end; a broken body raises httpx's error."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+
 async def read_body(response: httpx.Response, *, keep: int, limit: int) -> Body:
     """Read ``response`` (opened with ``stream=True``) up to ``limit`` decoded bytes.
 
     Raises ``httpx.DecodingError`` for a corrupt encoding (as httpx does), and the
-    transport's errors for a connection that breaks mid-body, as httpx would.
+    transport's errors for a connection that breaks mid-body, as httpx would. A body read
+    to its end leaves the response closed, as ``Response.aiter_raw`` does.
     """
-    import httpx  # off the command line's start-up path (config imports this module)
-
-    try:
-        # Already in memory (a transport that builds responses from bytes, such as
-        # httpx.MockTransport): httpx decoded it; just account for it.
-        loaded: bytes | None = response.content
-    except httpx.ResponseNotRead:
+    stream = response.stream
+    direct: RawStream | None = (
+        stream if isinstance(stream, RawStream) and not response.is_stream_consumed
+        and not response.is_closed else None
+    )  # fmt: skip
+    if direct is not None:
+        # What aiter_raw does around the stream: consumed, bytes counted, closed at the end.
+        response.is_stream_consumed = True
+        response._num_bytes_downloaded = 0
         loaded = None
+        next_raw: Callable[[], Awaitable[bytes]] = direct.read_raw
+    else:
+        loaded = _loaded(response)
+        chunks = _raw_chunks(response, loaded)
+        next_raw = _next_or_empty(chunks)
     decoders = _decoders(response) if loaded is None else []
     digest = hashlib.sha256()
     head = bytearray()
     size = 0
-    async for raw in _raw_chunks(response, loaded):
-        for piece in _decode(decoders, raw):
+    while raw := await next_raw():
+        if direct is not None:
+            response._num_bytes_downloaded += len(raw)
+        for piece in _decode(decoders, raw) if decoders else (raw,):
             take = piece[: limit - size + 1] if size + len(piece) > limit else piece
             size += len(take)
             if len(head) < keep:
@@ -149,13 +181,35 @@ async def read_body(response: httpx.Response, *, keep: int, limit: int) -> Body:
             digest.update(take)
             # Inflating is CPU work on the event loop: let the deadline and others run.
             await asyncio.sleep(0)
+    if direct is not None:
+        # Response.aclose without its request context (the stream raises no httpx error
+        # there): at the end, the connection goes back to the pool.
+        response.is_closed = True
+        await direct.aclose()
     return Body(head=bytes(head), size=size, sha256=digest.hexdigest(), complete=True)
+
+
+def _loaded(response: httpx.Response) -> bytes | None:
+    """The body already in memory (a transport that builds responses from bytes, such as
+    httpx.MockTransport: httpx decoded it), else None."""
+    import httpx  # off the command line's start-up path (config imports this module)
+
+    try:
+        return response.content
+    except httpx.ResponseNotRead:
+        return None
+
+
+def _next_or_empty(chunks: AsyncIterator[bytes]) -> Callable[[], Awaitable[bytes]]:
+    """``chunks``' next chunk, ``b""`` at its end (it yields no empty chunk)."""
+    return functools.partial(anext, chunks, b"")
 
 
 async def _raw_chunks(response: httpx.Response, loaded: bytes | None) -> AsyncIterator[bytes]:
     if loaded is None:
         async for raw in response.aiter_raw():
-            yield raw
+            if raw:
+                yield raw
         return
     for i in range(0, len(loaded), _STEP):
         yield loaded[i : i + _STEP]

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from outbox.body import ACCEPT_ENCODING, Body
+from outbox.body import ACCEPT_ENCODING, Body, RawStream
 from outbox.canonical import canonical_json_text
 from outbox.classify import (
     IN_PROGRESS_STATUS,
@@ -171,20 +171,38 @@ def _httpx_error(exc: BaseException, request: httpx.Request) -> httpx.TransportE
     return None
 
 
-class _AiohttpStream(httpx.AsyncByteStream):
+#: Raw bytes read from aiohttp at most at a time.
+_CHUNK = 64 * 1024
+
+
+class _AiohttpStream(httpx.AsyncByteStream, RawStream):
+    """The body as aiohttp reads it, in chunks of at most ``_CHUNK`` bytes, its errors
+    mapped to httpx's. :func:`outbox.body.read_body` calls :meth:`read_raw` directly;
+    httpx (``Response.aread``, ``aiter_bytes``, ...) iterates."""
+
     def __init__(self, response: Any, request: httpx.Request) -> None:
         self._response = response
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        while chunk := await self.read_raw():
+            yield chunk
+
+    async def read_raw(self) -> bytes:
+        content = self._response.content
         try:
-            async for chunk in self._response.content.iter_chunked(64 * 1024):
-                yield chunk
+            # What aiohttp's iter_chunked(_CHUNK) awaits for each chunk.
+            chunk: bytes = await content.read(_CHUNK)
         except Exception as exc:
+            import aiohttp
+
+            if isinstance(exc, aiohttp.EofStream):
+                return b""  # iter_chunked's end too
             mapped = _httpx_error(exc, self._request)
             if mapped is None:
                 raise
             raise mapped from exc
+        return chunk
 
     async def aclose(self) -> None:
         if self._response.content.at_eof():

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from outbox.body import Body, read_body
+from outbox.body import Body, RawStream, read_body
 
 TEXT = b'{"hello": "world", "n": 12345}' * 100
 
@@ -25,10 +25,29 @@ class _Chunks(httpx.AsyncByteStream):
             yield self.data[i : i + self.size]
 
 
+class _Raw(httpx.AsyncByteStream, RawStream):
+    """A transport stream read directly (as the shipped transport's is), never suspending."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.chunks = [data[i : i + size] for i in range(0, len(data), size)]
+        self.closed = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while chunk := await self.read_raw():
+            yield chunk
+
+    async def read_raw(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
 def _read(data: bytes, encoding: str | None, *, chunk: int = 7, keep: int = 10**6,
-          limit: int = 10**6) -> Body:  # fmt: skip
+          limit: int = 10**6, raw: bool = False) -> Body:  # fmt: skip
     headers = {"content-encoding": encoding} if encoding else {}
-    response = httpx.Response(200, headers=headers, stream=_Chunks(data, chunk))
+    stream = _Raw(data, chunk) if raw else _Chunks(data, chunk)
+    response = httpx.Response(200, headers=headers, stream=stream)
     return asyncio.run(read_body(response, keep=keep, limit=limit))
 
 
@@ -51,8 +70,11 @@ def _raw_deflate(data: bytes) -> bytes:
         (gzip.compress(TEXT[:100]) + gzip.compress(TEXT[100:]), "gzip"),  # two members
     ],
 )
-def test_decodes_in_small_steps_to_the_exact_body(encoded: bytes, encoding: str | None) -> None:
-    body = _read(encoded, encoding)
+@pytest.mark.parametrize("raw", [False, True], ids=["aiter_raw", "raw_stream"])
+def test_decodes_in_small_steps_to_the_exact_body(
+    encoded: bytes, encoding: str | None, raw: bool
+) -> None:
+    body = _read(encoded, encoding, raw=raw)
     assert body.head == TEXT
     assert (body.size, body.complete, body.truncated) == (len(TEXT), True, False)
     assert body.sha256 == hashlib.sha256(TEXT).hexdigest()
@@ -65,16 +87,18 @@ def test_keeps_only_the_head_but_hashes_everything() -> None:
     assert body.complete and body.truncated
 
 
-def test_stops_at_the_limit_and_says_at_least() -> None:
+@pytest.mark.parametrize("raw", [False, True], ids=["aiter_raw", "raw_stream"])
+def test_stops_at_the_limit_and_says_at_least(raw: bool) -> None:
     bomb = gzip.compress(bytes(50 * 1024 * 1024))
-    body = _read(gzip.compress(bomb), "gzip, gzip", chunk=65536, keep=100, limit=1000)
+    body = _read(gzip.compress(bomb), "gzip, gzip", chunk=65536, keep=100, limit=1000, raw=raw)
     assert (body.complete, body.sha256, body.size) == (False, None, 1001)
     assert body.head == bytes(100)
 
 
-def test_corrupt_encoding_is_a_decoding_error() -> None:
+@pytest.mark.parametrize("raw", [False, True], ids=["aiter_raw", "raw_stream"])
+def test_corrupt_encoding_is_a_decoding_error(raw: bool) -> None:
     with pytest.raises(httpx.DecodingError):
-        _read(b"not gzip at all", "gzip")
+        _read(b"not gzip at all", "gzip", raw=raw)
 
 
 def test_more_than_three_stacked_codings_are_refused() -> None:
@@ -88,3 +112,29 @@ def test_more_than_three_stacked_codings_are_refused() -> None:
 def test_a_coding_we_never_offered_is_taken_as_bytes() -> None:
     body = _read(b"\x1b\x00brotli?", "br")
     assert body.head == b"\x1b\x00brotli?" and body.complete
+
+
+def _state(response: httpx.Response) -> tuple[bool, bool, int]:
+    return (response.is_stream_consumed, response.is_closed, response.num_bytes_downloaded)
+
+
+@pytest.mark.parametrize(("limit", "complete"), [(10**6, True), (1000, False)])
+def test_a_raw_stream_leaves_the_response_as_aiter_raw_does(limit: int, complete: bool) -> None:
+    data = gzip.compress(TEXT)
+
+    async def read(stream: httpx.AsyncByteStream) -> tuple[Body, httpx.Response]:
+        response = httpx.Response(200, headers={"content-encoding": "gzip"}, stream=stream)
+        return await read_body(response, keep=100, limit=limit), response
+
+    via_httpx, plain = asyncio.run(read(_Chunks(data, 50)))
+    raw = _Raw(data, 50)
+    direct, response = asyncio.run(read(raw))
+    assert direct == via_httpx and direct.complete is complete
+    assert _state(response) == _state(plain)
+    # Read to the end: closed (the connection goes back to the pool) exactly once. Stopped
+    # early: left open for the caller's close (which never reuses the connection).
+    assert (response.is_closed, raw.closed) == ((True, 1) if complete else (False, 0))
+    for read_twice in (plain, response):  # as httpx says of a second read
+        with pytest.raises(httpx.StreamConsumed):
+            asyncio.run(read_body(read_twice, keep=1, limit=1))
+
