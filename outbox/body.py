@@ -9,7 +9,9 @@ are held in memory. A body that was not read to the end is reported as such
 (``complete=False``, no hash): its size is a lower bound, not the size.
 
 The caller bounds the time (the attempt deadline); the reader yields to the event loop
-between steps, so the deadline can fire even while a bomb is being inflated.
+after every decoded step and after every :data:`_STEP` bytes of an unencoded body, so the
+deadline can fire even while a bomb is being inflated or a large body hashed. A small
+unencoded body (most answers) is read without a needless trip through the loop.
 
 A transport's stream may offer its raw chunks directly (:class:`RawStream`, as the shipped
 ``AiohttpTransport``'s does): read without httpx's iterator around it, to the same
@@ -167,6 +169,7 @@ async def read_body(response: httpx.Response, *, keep: int, limit: int) -> Body:
     digest = hashlib.sha256()
     head = bytearray()
     size = 0
+    unyielded = 0
     while raw := await next_raw():
         if direct is not None:
             response._num_bytes_downloaded += len(raw)
@@ -179,8 +182,12 @@ async def read_body(response: httpx.Response, *, keep: int, limit: int) -> Body:
                 # Stop: the body is over the limit; ``size`` is a lower bound of it.
                 return Body(head=bytes(head), size=size, sha256=None, complete=False)
             digest.update(take)
-            # Inflating is CPU work on the event loop: let the deadline and others run.
-            await asyncio.sleep(0)
+            unyielded += len(take)
+            if decoders or unyielded >= _STEP:
+                # Inflating and hashing are CPU work on the event loop: let the deadline
+                # and others run.
+                unyielded = 0
+                await asyncio.sleep(0)
     if direct is not None:
         # Response.aclose without its request context (the stream raises no httpx error
         # there): at the end, the connection goes back to the pool.

@@ -138,3 +138,37 @@ def test_a_raw_stream_leaves_the_response_as_aiter_raw_does(limit: int, complete
         with pytest.raises(httpx.StreamConsumed):
             asyncio.run(read_body(read_twice, keep=1, limit=1))
 
+
+def _ticks_while_reading(stream: httpx.AsyncByteStream, encoding: str | None = None) -> int:
+    """How often another task ran while ``stream`` was read (the loop not hogged)."""
+
+    async def go() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        started = ticks
+        headers = {"content-encoding": encoding} if encoding else {}
+        response = httpx.Response(200, headers=headers, stream=stream)
+        await read_body(response, keep=10, limit=10**9)
+        task.cancel()
+        return ticks - started
+
+    return asyncio.run(go())
+
+
+def test_the_reader_yields_to_the_loop_where_there_is_work_to_interrupt() -> None:
+    # 64 chunks of 64 KiB already there (never suspending): hashed 64 KiB at a time.
+    assert _ticks_while_reading(_Raw(bytes(64 * 65536), 65536)) >= 64
+    assert _ticks_while_reading(_Chunks(bytes(64 * 65536), 65536)) >= 64
+    # Each inflating step of a bomb, however small its chunks on the wire.
+    bomb = gzip.compress(bytes(8 * 1024 * 1024))
+    assert _ticks_while_reading(_Raw(bomb, 1024), "gzip") >= 8 * 1024 * 1024 // 65536
+    # A small plain body: no needless trip through the loop per piece.
+    assert _ticks_while_reading(_Raw(TEXT, 100)) == 0
