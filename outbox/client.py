@@ -184,12 +184,10 @@ class Outbox(AsyncMethods, TransactionMethods):
         intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
         if connection is not None:
             return self._enqueue_on(connection_of(connection), intent)
-        op_id, tenant, ordering_key, args = self._validate(intent)
-        if (
-            type(self)._own_transaction is Outbox._own_transaction
-            and not self.store.statements_observed
-        ):
-            op = self._enqueue_own(op_id, tenant, ordering_key, args)
+        checked = self._validate(intent)
+        op_id, tenant, ordering_key, args = checked
+        if type(self)._own_transaction is Outbox._own_transaction:
+            op = None if self.store.statements_observed else self._enqueue_own(checked)
             if op is not None:
                 return op
 
@@ -237,23 +235,20 @@ class Outbox(AsyncMethods, TransactionMethods):
         self.store.announce()  # committed: wake this process's dispatchers (SQLite)
         return result
 
-    def _enqueue_own(
-        self, op_id: str, tenant: str, ordering_key: str | None, args: Any
-    ) -> Operation | None:
+    def _enqueue_own(self, checked: tuple[str, str, str | None, Any]) -> Operation | None:
         """A new operation in a transaction of its own, sent on the driver's connection
         (``outbox.store.direct``: same row, same failure semantics, a fraction of the
         Python). None when the key is already stored: the general path then returns the
         stored operation or raises ``OperationConflict``."""
         self._refuse_if_caller_holds_the_lock()
+        op_id, tenant, _, args = checked
         now = self.clock.now_ms()
-        row = self._row((op_id, tenant, ordering_key, args), now=now,
-                        traceparent=self._traceparent())  # fmt: skip
+        row = self._row(checked, now=now, traceparent=self._traceparent())
         pk = insert_and_commit(self.store, row, Key(tenant, op_id, args.args_sha256))
         if pk is None:
             return None
         self.store.announce()  # committed: wake this process's dispatchers (SQLite)
-        return self._new_operation(pk, op_id=op_id, tenant=tenant, ordering_key=ordering_key,
-                                   args=args, now=now)  # fmt: skip
+        return self._new_operation(pk, checked, now=now)
 
     @contextmanager
     def _own_transaction(self) -> Iterator[Connection]:
@@ -301,16 +296,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             pk = inserted.pop((tenant, op_id), None)
             if pk is not None:
                 created.append(Key(tenant, op_id, args.args_sha256))
-                ops.append(
-                    self._new_operation(
-                        pk,
-                        op_id=op_id,
-                        tenant=tenant,
-                        ordering_key=ordering_key,
-                        args=args,
-                        now=now,
-                    )
-                )
+                ops.append(self._new_operation(pk, (op_id, tenant, ordering_key, args), now=now))
             else:
                 ops.append(self._insert_checked(conn, op_id, tenant, ordering_key, args))
         return ops, created
@@ -350,8 +336,10 @@ class Outbox(AsyncMethods, TransactionMethods):
         return self._insert_checked(self._joined(conn), op_id, tenant, ordering_key, args)
 
     def _new_operation(
-        self, pk: int, *, op_id: str, tenant: str, ordering_key: str | None, args: Any, now: int
+        self, pk: int, checked: tuple[str, str, str | None, Any], *, now: int
     ) -> Operation:
+        """The operation a new pending row is (see :meth:`_row`)."""
+        op_id, tenant, ordering_key, args = checked
         return Operation(
             pk=pk,
             tenant=tenant,
@@ -404,14 +392,8 @@ class Outbox(AsyncMethods, TransactionMethods):
                         traceparent=self._traceparent())  # fmt: skip
         inserted = self.store.insert_operation(conn, row)
         if inserted.created:
-            return self._new_operation(
-                inserted.pk,
-                op_id=op_id,
-                tenant=tenant,
-                ordering_key=ordering_key,
-                args=args,
-                now=now,
-            ), True
+            return self._new_operation(inserted.pk, (op_id, tenant, ordering_key, args),
+                                       now=now), True  # fmt: skip
         if inserted.args_sha256 != args.args_sha256:
             raise OperationConflict(
                 f"operation {op_id!r} (tenant {tenant!r}) is already stored with different "
