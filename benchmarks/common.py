@@ -265,3 +265,29 @@ def fmt(value: float | None, unit: str = "") -> str:
     if value >= 10:
         return f"{value:.1f}{unit}"
     return f"{value:.2f}{unit}"
+
+
+@contextlib.contextmanager
+def process_gc(enabled: bool = True) -> Iterator[None]:
+    """The collector settings of an ``outbox dispatch`` process for the block
+    (``cli_support.settle_gc_for_dispatch``: start-up frozen, the youngest generation
+    collected every 10,000 allocations), then the interpreter's defaults back. The
+    throughput phase runs every contender, raw clients and dispatchers alike, this way
+    (``--gc default``: the interpreter's own settings for all of them)."""
+    import gc
+
+    from outbox.cli_support import DISPATCH_GC_THRESHOLD
+
+    if not enabled:
+        yield
+        return
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(max(before[0], DISPATCH_GC_THRESHOLD), *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+

@@ -32,6 +32,7 @@ from benchmarks.common import (
     database,
     fmt,
     postgres_available,
+    process_gc,
     quiet_logs,
     receiver,
     workdir,
@@ -214,9 +215,11 @@ class Run:
                 self.m(key, name, n=p.n).skipped = skip[key]
                 _say(f"  - {name} skipped: {skip[key]}")
         contenders = [c for c in contenders if c[0] not in skip]
+        gc_mode = self.args.gc == "dispatch"
         for rep in range(p.repeats):
             for key, name, fn in contenders:
-                value = self._safe(key, fn)
+                with process_gc(gc_mode):
+                    value = self._safe(key, fn)
                 if value is not None:
                     self.m(key, name, n=p.n).values.append(value)
                     _say(f"  [{rep + 1}/{p.repeats}] {name}: {value:,.0f} ops/s")
@@ -563,6 +566,7 @@ class Run:
             "loadavg_at_start": os.getloadavg(),
             "profile": self.p.__dict__,
             "transport": self.transport,
+            "gc": self.args.gc,
             "versions": {
                 "httpx": httpx.__version__,
                 "sqlalchemy": sqlalchemy.__version__,
@@ -739,7 +743,8 @@ def report(res: dict[str, Any], transport: str) -> str:
     p = meta["profile"]
     lines.append(
         f"N={p['n']} concurrency={p['concurrency']} repeats={p['repeats']} "
-        f"(median of the repeats), dispatcher transport: {transport}"
+        f"(median of the repeats), dispatcher transport: {transport}, "
+        f"throughput collector settings: {meta.get('gc', 'default')}"
     )
     lines.append("")
     base = ms.get("raw_aiohttp")
@@ -863,6 +868,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--output", default=None, help="JSON file (default benchmarks/results/)")
     run.add_argument("--strict", action="store_true", help="fail on the first error")
+    run.add_argument(
+        "--gc",
+        choices=("dispatch", "default"),
+        default="dispatch",
+        help="collector settings for every throughput contender: those of an `outbox "
+        "dispatch` process (start-up frozen, youngest generation every 10,000 "
+        "allocations; the default) or the interpreter's own",
+    )
     args = parser.parse_args(argv)
 
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
