@@ -32,6 +32,13 @@ def make_outbox(db_url: str, rx_url: str, concurrency: int, transport: Any = Non
     )
 
 
+def enqueue_each(ob: Any, n: int, prefix: str) -> None:
+    """Enqueue N operations one at a time, each in its own transaction."""
+    for i in range(n):
+        ob.enqueue(endpoint="rx", method="POST", path="/orders", json=payload(i),
+                   operation_id=f"{prefix}{i}")  # fmt: skip
+
+
 def load(ob: Any, n: int, prefix: str, *, chunk: int = 1000) -> None:
     """Enqueue N operations quickly (enqueue_many in chunks); not part of any timing."""
     from outbox import Intent
@@ -107,14 +114,7 @@ def run_end_to_end(
     try:
         prefix = f"e2e-{uuid.uuid4().hex[:8]}-"
         start = time.perf_counter()
-        for i in range(n):
-            ob.enqueue(
-                endpoint="rx",
-                method="POST",
-                path="/orders",
-                json=payload(i),
-                operation_id=f"{prefix}{i}",
-            )
+        enqueue_each(ob, n, prefix)
         enqueue_s = time.perf_counter() - start
         dispatch_s, summary = asyncio.run(drain(ob, n, concurrency))
         if summary.succeeded != n:
@@ -157,14 +157,7 @@ def run_end_to_end_live(
         running.wait(30)
         time.sleep(0.3)  # past its preflight: idle, waiting for work
         start = time.perf_counter()
-        for i in range(n):
-            ob.enqueue(
-                endpoint="rx",
-                method="POST",
-                path="/orders",
-                json=payload(i),
-                operation_id=f"{prefix}{i}",
-            )
+        enqueue_each(ob, n, prefix)
         enqueue_s = time.perf_counter() - start
         thread.join(300)
         if "error" in done:
@@ -230,14 +223,7 @@ def run_end_to_end_process(
                    operation_id=f"{prefix}warm")  # fmt: skip
         wait_for(f"{prefix}warm", 1, 60)
         start = time.perf_counter()
-        for i in range(n):
-            ob.enqueue(
-                endpoint="rx",
-                method="POST",
-                path="/orders",
-                json=payload(i),
-                operation_id=f"{prefix}{i}",
-            )
+        enqueue_each(ob, n, prefix)
         enqueue_s = time.perf_counter() - start
         wait_for(f"{prefix}%", n + 1, 300)
         total = time.perf_counter() - start

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table
 
 from benchmarks.common import endpoint, payload
+from benchmarks.dispatch import enqueue_each
 
 _meta = MetaData()
 orders = Table(
@@ -57,23 +58,9 @@ def own_transaction(db_url: str, n: int) -> float:
     ob = _outbox(db_url)
     prefix = f"own-{uuid.uuid4().hex[:8]}-"
     try:
-        for i in range(20):  # warm: connections, pragmas, compiled statements
-            ob.enqueue(
-                endpoint="rx",
-                method="POST",
-                path="/orders",
-                json=payload(i),
-                operation_id=f"{prefix}warm-{i}",
-            )
+        enqueue_each(ob, 20, f"{prefix}warm-")  # connections, pragmas, compiled statements
         start = time.perf_counter()
-        for i in range(n):
-            ob.enqueue(
-                endpoint="rx",
-                method="POST",
-                path="/orders",
-                json=payload(i),
-                operation_id=f"{prefix}{i}",
-            )
+        enqueue_each(ob, n, prefix)
         return n / (time.perf_counter() - start)
     finally:
         ob.close()
