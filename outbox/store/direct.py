@@ -93,14 +93,17 @@ class DirectInsert:
         params = self._parameters(row)
         try:
             fairy = self._engine.raw_connection()
-        except DBAPIError as exc:
+        except DBAPIError as exc:  # wrapped (the pool's checkout events)
             raise NotStoredError(f"the operation was not stored: {exc.orig}") from exc
+        except self._dialect.loaded_dbapi.Error as exc:  # the pool's connect: the driver's own
+            raise NotStoredError(f"the operation was not stored: {exc}") from exc
         healthy = True
         try:
             dbapi = fairy.driver_connection
             assert dbapi is not None
-            cursor = dbapi.cursor()
+            cursor = None
             try:
+                cursor = dbapi.cursor()
                 if self._sqlite:
                     left = begin_immediate(dbapi, SQLITE_BUSY_TIMEOUT_MS)
                     if left is not None:

@@ -154,3 +154,19 @@ def test_a_connection_lost_before_commit_is_written_again_once(
     assert len(logs.named("enqueue_connection_replaced")) == 1
     assert logs.named("enqueue_commit_failed") == []
     assert _rows(migrated) == [("cut-once", "pending")]
+
+
+def test_a_database_refusing_connections_is_not_stored(
+    ob: Outbox, proxy: PgProxy, migrated: str
+) -> None:
+    """No connection can be made (the server restarting, the network down): the
+    enqueue raises NotStoredError, the library's own answer, and nothing is stored."""
+    ob.engine.dispose()  # the next enqueue needs a new connection
+    proxy.refuse = True
+    with pytest.raises(NotStoredError):
+        _enqueue(ob, "refused")
+    with pytest.raises(NotStoredError):
+        ob.enqueue_many([Intent("rx", "POST", "/orders", {"id": "r2"}, operation_id="r2")])
+    proxy.refuse = False
+    assert _rows(migrated) == []
+
