@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: The longest pause between two tries.
@@ -50,6 +51,20 @@ def begin_immediate(dbapi_connection: Any, timeout_ms: int) -> int | None:
             step = min(step * 2, _MAX_STEP)
     finally:
         dbapi_connection.execute(f"PRAGMA busy_timeout = {timeout_ms}")
+
+
+def begin_write(dbapi_connection: Any, timeout_ms: int, ordinary: Callable[[], Any]) -> None:
+    """Begin a write transaction: :func:`begin_immediate`, then, if the lock stayed held
+    (or BEGIN failed otherwise), ``ordinary()`` (the caller's own ``BEGIN IMMEDIATE``)
+    once with the busy handler waiting for what is left of ``timeout_ms`` (:func:`last_try`),
+    so its error is the one the caller's path has always raised. A connection too broken
+    for the pragmas is left for ``ordinary()`` to report."""
+    try:
+        left = begin_immediate(dbapi_connection, timeout_ms)
+    except sqlite3.Error:
+        left = timeout_ms
+    if left is not None:
+        last_try(dbapi_connection, left, ordinary, timeout_ms)
 
 
 def last_try(dbapi_connection: Any, left_ms: int, begin: Any, timeout_ms: int) -> None:

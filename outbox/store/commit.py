@@ -115,10 +115,7 @@ def insert_and_commit(store: Store, row: dict[str, Any], key: Key) -> int | None
         log_commit_failed(failed.error, [key])
         if resolve_commit(store, failed.marker, [key], failed.error):
             return failed.pk
-        raise NotStoredError(
-            f"the operation was not stored: COMMIT failed ({failed.error}) and the "
-            "database confirms the transaction did not commit"
-        ) from failed.error
+        raise _confirmed_not_committed(failed.error) from failed.error
 
 
 def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
@@ -162,10 +159,14 @@ def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key
     log_commit_failed(commit_error.orig or commit_error, created)
     if resolve_commit(store, marker, created, commit_error):
         return result
-    raise NotStoredError(
-        f"the operation was not stored: COMMIT failed ({commit_error.orig}) and the "
-        "database confirms the transaction did not commit"
-    ) from commit_error
+    raise _confirmed_not_committed(commit_error.orig or commit_error) from commit_error
+
+
+def _confirmed_not_committed(error: BaseException) -> NotStoredError:
+    return NotStoredError(
+        f"the operation was not stored: COMMIT failed ({error}) and the database "
+        "confirms the transaction did not commit"
+    )
 
 
 def log_connection_replaced(error: BaseException) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from outbox.errors import NotStoredError
-from outbox.store.busy import begin_immediate, last_try
+from outbox.store.busy import begin_write
 from outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.tables import operations
@@ -105,10 +105,8 @@ class DirectInsert:
             try:
                 cursor = dbapi.cursor()
                 if self._sqlite:
-                    left = begin_immediate(dbapi, SQLITE_BUSY_TIMEOUT_MS)
-                    if left is not None:
-                        last_try(dbapi, left, lambda: cursor.execute("BEGIN IMMEDIATE"),
-                                 SQLITE_BUSY_TIMEOUT_MS)  # fmt: skip
+                    begin_write(dbapi, SQLITE_BUSY_TIMEOUT_MS,
+                                lambda: cursor.execute("BEGIN IMMEDIATE"))  # fmt: skip
                 cursor.execute(self._sql, params)
                 rows = cursor.fetchall()  # to the statement's end: nothing left running
                 names = [d[0] for d in cursor.description or ()]

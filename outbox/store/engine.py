@@ -16,7 +16,7 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError, SchemaError, StoreError
-from outbox.store.busy import begin_immediate, last_try
+from outbox.store.busy import begin_write
 from outbox.store.liveness import ping_when_idle
 from outbox.store.revisions import VERSION_TABLE, check_known
 from outbox.store.tables import attach_postgresql_options
@@ -375,13 +375,8 @@ def configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:
         if not isinstance(raw, sqlite3.Connection):  # aiosqlite (create_async_engine)
             connection.exec_driver_sql("BEGIN IMMEDIATE")
             return
-        try:
-            left = begin_immediate(raw, SQLITE_BUSY_TIMEOUT_MS)
-        except sqlite3.Error:  # a broken connection: SQLAlchemy's own BEGIN reports it
-            left = SQLITE_BUSY_TIMEOUT_MS
-        if left is not None:
-            last_try(raw, left, lambda: connection.exec_driver_sql("BEGIN IMMEDIATE"),
-                     SQLITE_BUSY_TIMEOUT_MS)  # fmt: skip
+        begin_write(raw, SQLITE_BUSY_TIMEOUT_MS,
+                    lambda: connection.exec_driver_sql("BEGIN IMMEDIATE"))  # fmt: skip
 
     key = lock_key(engine.url)
     if key is not None:
