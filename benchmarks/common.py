@@ -276,7 +276,7 @@ def process_gc(enabled: bool = True) -> Iterator[None]:
     (``--gc default``: the interpreter's own settings for all of them)."""
     import gc
 
-    from outbox.cli_support import DISPATCH_GC_THRESHOLD
+    from outbox.cli.support import DISPATCH_GC_THRESHOLD
 
     if not enabled:
         yield

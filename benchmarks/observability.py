@@ -30,7 +30,7 @@ VARIANTS = ("baseline", "logging_info", "metrics", "tracing", "metrics_tracing")
 
 @contextlib.contextmanager
 def _info_logging() -> Iterator[None]:
-    from outbox import logs
+    from outbox.base import logs
 
     sink = open(os.devnull, "w")  # noqa: SIM115
     handler = logging.StreamHandler(sink)

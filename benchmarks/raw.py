@@ -70,7 +70,7 @@ async def raw_httpx(
     transport_factory: Callable[[Any], httpx.AsyncBaseTransport | None] | None,
 ) -> tuple[float, int]:
     """httpx.AsyncClient built exactly as the dispatcher builds it, on the given transport."""
-    from outbox.transport import build_client
+    from outbox.wire.transport import build_client
 
     ep = endpoint(url, concurrency=concurrency)
     transport = transport_factory(ep) if transport_factory is not None else None

@@ -7,7 +7,7 @@
   connector sized to the endpoint, and aiohttp's silent one-shot resend of PUT/DELETE on a
   dropped keep-alive connection switched off (the outbox's rule: the transport never
   retries on its own; every resend is a recorded attempt with a fresh request ID).
-* ``aiohttp_outbox``: ``outbox.transport.AiohttpTransport``, the default the library ships
+* ``aiohttp_outbox``: ``outbox.wire.transport.AiohttpTransport``, the default the library ships
   (chosen by these measurements): a small transport over an aiohttp session built the same
   way as ``aiohttp_safe``, without httpx-aiohttp's two other surprises: its exception
   mapping names a refused connection ``ConnectTimeout`` and a dropped one
@@ -78,7 +78,7 @@ def aiohttp_safe(endpoint: Any) -> httpx.AsyncBaseTransport:
 
 def aiohttp_outbox(endpoint: Any) -> httpx.AsyncBaseTransport:
     """The transport outbox ships (measured here as a candidate before it was chosen)."""
-    from outbox.transport import AiohttpTransport
+    from outbox.wire.transport import AiohttpTransport
 
     return AiohttpTransport(int(getattr(endpoint, "max_connections", 100)))
 

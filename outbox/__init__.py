@@ -46,7 +46,7 @@ if _typing.TYPE_CHECKING:
         StatusLookup,
         TenantScope,
     )
-    from outbox.dispatch import DispatchSummary
+    from outbox.dispatch.dispatcher import DispatchSummary
     from outbox.store.engine import create_async_engine, create_engine
 
 #: Imported on first use: the dispatcher brings httpx, aiohttp and tenacity with it, and
@@ -54,7 +54,7 @@ if _typing.TYPE_CHECKING:
 #: line stays fast this way (tests/acceptance/test_cli_startup.py pins what it imports).
 _LAZY = {
     "Classification": "outbox.classify",
-    "DispatchSummary": "outbox.dispatch",
+    "DispatchSummary": "outbox.dispatch.dispatcher",
     "DispatcherSettings": "outbox.config",
     "Endpoint": "outbox.config",
     "Intent": "outbox.canonical",

@@ -7,7 +7,7 @@ modules. Two things that cost it time buy it nothing:
 * the cyclic garbage collector, which runs again and again while the imports build
   thousands of classes and functions that all stay alive until exit (reference counting
   still frees everything else); it is switched off for the start-up and switched back on
-  by every command that is not a read (``outbox.cli_support.command``), so a dispatcher
+  by every command that is not a read (``outbox.cli.support.command``), so a dispatcher
   or the console runs with it; ``dispatch`` then freezes what start-up built and
   collects the youngest generation less often (``cli_support.settle_gc_for_dispatch``);
 * the interpreter's teardown of every module at exit. Once a read command has returned,
@@ -27,7 +27,7 @@ from typing import NoReturn
 
 
 def main() -> NoReturn:
-    from outbox import cli_support
+    from outbox.cli import support as cli_support
 
     cli_support.pause_gc_for_startup()
     from outbox.cli import main as command

@@ -40,7 +40,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.model import Operation, State
-from outbox.observe import Instrumentation, combine
+from outbox.observe.hooks import Instrumentation, combine
 from outbox.store import Store, store_for
 from outbox.store.commit import Key, insert_and_commit, write_and_commit
 from outbox.store.engine import outbox_engine
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
     # The dispatcher pulls in httpx and aiohttp: imported when dispatching, so that
     # reading an outbox (the operator's commands) starts fast.
-    from outbox.dispatch import Dispatcher, DispatchSummary, TransportFactory
-    from outbox.metrics import OutboxMetrics
+    from outbox.dispatch.dispatcher import Dispatcher, DispatchSummary, TransportFactory
+    from outbox.observe.metrics import OutboxMetrics
     from outbox.reconcile import Reconciler
 
 
@@ -114,7 +114,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         self.transport_factory = transport_factory
         self._endpoints: dict[str, Endpoint] = {}
         self._metrics: OutboxMetrics | None = None
-        # OpenTelemetry (outbox.tracing): this provider, else the global one when an SDK
+        # OpenTelemetry (outbox.observe.tracing): this provider, else the global one when an SDK
         # configured it. The API's no-op provider switches tracing off.
         self._tracer_provider = tracer_provider
         self._tracing_off = type(tracer_provider).__name__ == "NoOpTracerProvider"
@@ -460,7 +460,7 @@ class Outbox(AsyncMethods, TransactionMethods):
                 raise ConfigurationError("this outbox's metrics are registered elsewhere")
             return self._metrics
         try:
-            from outbox.metrics import OutboxMetrics
+            from outbox.observe.metrics import OutboxMetrics
         except ImportError as exc:
             raise ConfigurationError(
                 "metrics need prometheus_client: pip install 'outbox[metrics]'"
@@ -478,7 +478,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         OpenTelemetry is in use (imported by the application) and not switched off."""
         if self._tracing_off or "opentelemetry.trace" not in sys.modules:
             return None
-        from outbox.tracing import current_traceparent
+        from outbox.observe.tracing import current_traceparent
 
         return current_traceparent()
 
@@ -489,7 +489,7 @@ class Outbox(AsyncMethods, TransactionMethods):
         if not self._tracing_off and (
             self._tracer_provider is not None or "opentelemetry.trace" in sys.modules
         ):
-            from outbox.tracing import Tracing, configured
+            from outbox.observe.tracing import Tracing, configured
 
             provider = configured(self._tracer_provider)
             if provider is not None:
@@ -499,7 +499,7 @@ class Outbox(AsyncMethods, TransactionMethods):
     # -- dispatch -----------------------------------------------------------------
 
     def dispatcher(self, settings: DispatcherSettings | None = None) -> Dispatcher:
-        from outbox.dispatch import Dispatcher
+        from outbox.dispatch.dispatcher import Dispatcher
         from outbox.reconcile.probe import settle_after_dispatch
 
         return Dispatcher(

@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import quote, urlsplit
 
-from outbox.body import DEFAULT_READ_LIMIT
 from outbox.errors import ConfigurationError
 from outbox.model import LookupResult, PolicySnapshot
 
@@ -35,6 +34,10 @@ TenantHeaderSupplier: TypeAlias = Callable[[str], Mapping[str, str]]
 #: Overrides classification: takes the response or the exception, returns a
 #: Classification, or None to fall back to the default rules.
 Classifier: TypeAlias = Callable[["httpx.Response | BaseException"], "Classification | None"]
+
+#: Decoded bytes read at most from one response before reading stops (the body is then
+#: recorded as "at least this big"). Overridable per endpoint (``Endpoint.read_limit``).
+DEFAULT_READ_LIMIT = 4 * 1024 * 1024
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -256,7 +259,7 @@ class Endpoint:
     max_connections: int = 100
     #: Marks a staging or test receiver the conformance checker may send probes to.
     probe_safe: bool = False
-    #: How to ask the receiver whether an operation was applied (``outbox.lookup``).
+    #: How to ask the receiver whether an operation was applied (``outbox.wire.lookup``).
     status_lookup: StatusLookup | None = None
 
     def __post_init__(self) -> None:

@@ -81,10 +81,10 @@ def require_postgres() -> None:
 
 @pytest.fixture(autouse=True)
 def _unconfigure_outbox_logging() -> Iterator[None]:
-    """The CLI configures the ``outbox`` loggers (``outbox.logs.configure``) for the
+    """The CLI configures the ``outbox`` loggers (``outbox.base.logs.configure``) for the
     stderr of the moment; no test leaves that behind for the next one."""
     yield
-    from outbox import logs
+    from outbox.base import logs
 
     logs.reset()
 

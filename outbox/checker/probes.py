@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from outbox.canonical import canonical_json_text
-from outbox.exchange import clean_message, exchange
-from outbox.lookup import lookup_status
 from outbox.model import LookupResult, Verdict
-from outbox.transport import classify_response, request_headers
+from outbox.wire.exchange import clean_message, exchange
+from outbox.wire.lookup import lookup_status
+from outbox.wire.transport import classify_response, request_headers
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint

@@ -29,7 +29,7 @@ from outbox.checker.verdicts import (
 )
 from outbox.errors import ConfigurationError, ValidationError
 from outbox.model import LookupResult
-from outbox.transport import build_client
+from outbox.wire.transport import build_client
 
 if TYPE_CHECKING:
     from outbox.client import Outbox

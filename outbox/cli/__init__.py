@@ -2,7 +2,7 @@
 
 Each command parses its options, makes one library call and renders the result as a
 table (default) or JSON (``--json``). Every failure is one line on stderr and a
-documented exit code (see :mod:`outbox.cli_support`); ``--debug`` adds the traceback.
+documented exit code (see :mod:`outbox.cli.support`); ``--debug`` adds the traceback.
 Read commands never create or migrate a database. Heavy modules (the dispatcher, httpx,
 aiohttp, Alembic, tenacity) are imported only by the commands that need them.
 

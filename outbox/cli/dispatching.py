@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from outbox.cli_support import (
+from outbox.cli.support import (
     Context,
     command,
     settle_gc_for_dispatch,
@@ -78,7 +78,7 @@ def dispatch(
             )
         _supervise(obj, processes, concurrency, as_json)
         return
-    from outbox.supervise import catch_sigterm_early
+    from outbox.dispatch.supervise import catch_sigterm_early
 
     # Before loading the application: a SIGTERM during start-up stops us cleanly.
     stop = None if once or until_empty else catch_sigterm_early()
@@ -87,7 +87,7 @@ def dispatch(
         raise click.UsageError(f"--app {obj.app} registers no endpoint: nothing can be sent")
     server = None
     if metrics_port is not None:
-        from outbox.metrics import serve
+        from outbox.observe.metrics import serve
 
         try:
             server = serve(ob.metrics(), host=metrics_host, port=metrics_port)
@@ -116,7 +116,7 @@ def dispatch(
 
 
 def _supervise(obj: Context, processes: int, concurrency: int | None, as_json: bool) -> None:
-    from outbox.supervise import Supervisor
+    from outbox.dispatch.supervise import Supervisor
 
     # Fail here, once, on what every child would fail on (a bad module, no endpoint).
     if not obj.outbox().endpoints:
@@ -173,7 +173,7 @@ def _open_waiting_for_database(obj: Context, stop: threading.Event | None) -> Ou
     wait with the database's error."""
     from sqlalchemy.exc import DBAPIError
 
-    from outbox.dispatch import logger
+    from outbox.dispatch.dispatcher import logger
 
     delay = 0.25
     while True:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
-from outbox.cli_support import (
+from outbox.cli.support import (
     DURATION,
     EXIT_REFUSED,
     EXIT_USAGE,
@@ -24,7 +24,7 @@ from outbox.cli_support import (
 from outbox.model import Reason
 
 if TYPE_CHECKING:
-    from outbox.bulk import BulkReport, Selection
+    from outbox.reconcile.bulk import BulkReport, Selection
 from outbox.cli.reading import _show
 from outbox.cli.root import _emit_json, _filter_words, _reconciler, err, json_option, main, out
 
@@ -224,7 +224,7 @@ def _selection(
         if given:
             raise click.UsageError(f"{', '.join(given)} go with --all, not with one operation")
         return None
-    from outbox.bulk import Selection
+    from outbox.reconcile.bulk import Selection
 
     return Selection(tenant=tenant, **filters)
 
@@ -232,7 +232,7 @@ def _selection(
 def _run_bulk(obj: Context, action: str, target: Target, *, as_json: bool, **kwargs: Any) -> None:
     """Dry run (always first), confirmation on a terminal, then the run with a progress
     bar, and the summary. Exit 1 if anything was refused or changed by someone else."""
-    from outbox.bulk import bulk, select
+    from outbox.reconcile.bulk import bulk, select
 
     selection, dry_run, yes = target.selection, target.dry_run, target.yes
     assert selection is not None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from outbox.cli_support import (
+from outbox.cli.support import (
     DURATION,
     EXIT_REFUSED,
     Context,
@@ -19,7 +19,7 @@ from outbox.model import State
 
 if TYPE_CHECKING:
     from outbox.reconcile import OperationReport
-    from outbox.status import Watch
+    from outbox.reconcile.status import Watch
 from outbox.cli.root import _emit_json, _filter_words, _reconciler, json_option, main, out
 
 # -- schema ---------------------------------------------------------------------------
@@ -285,8 +285,8 @@ def audit(
     as_json: bool,
 ) -> None:
     """The audit trail of operator actions, newest first, and how many match in all."""
-    from outbox.browse import Browser
     from outbox.reconcile import audit_dict
+    from outbox.reconcile.browse import Browser
 
     ob = obj.outbox()
     now_ms = ob.clock.now_ms()

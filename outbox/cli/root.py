@@ -2,7 +2,7 @@
 
 Each command parses its options, makes one library call and renders the result as a
 table (default) or JSON (``--json``). Every failure is one line on stderr and a
-documented exit code (see :mod:`outbox.cli_support`); ``--debug`` adds the traceback.
+documented exit code (see :mod:`outbox.cli.support`); ``--debug`` adds the traceback.
 Read commands never create or migrate a database. Heavy modules (the dispatcher, httpx,
 aiohttp, Alembic, tenacity) are imported only by the commands that need them.
 """
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
-from outbox.cli_support import (
+from outbox.base.safetext import neutralise
+from outbox.cli.support import (
     DB_ENVVARS,
     Context,
     OutboxGroup,
 )
-from outbox.safetext import neutralise
 
 if TYPE_CHECKING:
     pass
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 class SafeConsole(Console):
     """A rich Console that spells out control characters in every string it renders
-    (``print`` arguments and table cells alike; ``outbox.safetext``), so a stored note,
+    (``print`` arguments and table cells alike; ``outbox.base.safetext``), so a stored note,
     error or body cannot clear or rewrite the operator's screen. Rich's own styling is
     unaffected."""
 

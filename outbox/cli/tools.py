@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from outbox.cli_support import (
+from outbox.cli.support import (
     Context,
     command,
 )
@@ -27,7 +27,7 @@ from outbox.cli.root import _emit_json, json_option, main, out
 )
 def demo(obj: Context, directory: str | None) -> None:
     """A guided run against a local receiver: lost responses, replays, reconciliation."""
-    from outbox.demo import run_demo
+    from outbox.cli.demo import run_demo
 
     del obj
     run_demo(directory, out)

@@ -3,7 +3,8 @@
 Pages are rendered on the server and work without JavaScript (none is shipped). Every
 state change is a POST carrying the session's CSRF token; reads never change anything.
 Every rule about what an action may do lives in the library (:mod:`outbox.reconcile`,
-:mod:`outbox.lookup`, :mod:`outbox.browse`); this module only translates HTTP to calls.
+:mod:`outbox.wire.lookup`, :mod:`outbox.reconcile.browse`); this module only translates HTTP
+to calls.
 """
 
 from __future__ import annotations

@@ -10,15 +10,6 @@ from starlette.datastructures import FormData, QueryParams
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from outbox.browse import (
-    BULK_ACTIONS,
-    Browser,
-    BulkReport,
-    GuardedReconciler,
-    OperationFilter,
-    bulk_action,
-    probe_refusal,
-)
 from outbox.console.app import Console, in_thread, op_link, query_url
 from outbox.console.auth import Session
 from outbox.console.render import JSON_DISPLAY_LIMIT, masked, pretty_json
@@ -33,6 +24,15 @@ from outbox.errors import (
 )
 from outbox.model import Reason, State
 from outbox.reconcile import Reconciler, attempt_dict, parse_duration
+from outbox.reconcile.browse import (
+    BULK_ACTIONS,
+    Browser,
+    BulkReport,
+    GuardedReconciler,
+    OperationFilter,
+    bulk_action,
+    probe_refusal,
+)
 
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)

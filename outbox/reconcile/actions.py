@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from outbox.base.safetext import check_printable
 from outbox.canonical import check_operation_id, check_tenant
 from outbox.errors import (
     ConcurrentModification,
@@ -30,12 +31,11 @@ from outbox.model import (
     State,
 )
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
-from outbox.safetext import check_printable
-from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, watch
+from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, watch
 from outbox.store.operator import OperatorSelection
 
 if TYPE_CHECKING:
-    from outbox.parts import OutboxParts
+    from outbox.reconcile.parts import OutboxParts
 
 
 #: What ``--accept-duplicate-risk`` does, said wherever a requeue is refused for it.

@@ -1,6 +1,6 @@
 """Settling unresolved operations from what their receiver says (the status lookup).
 
-:func:`probe` and :func:`probe_all` ask with :func:`outbox.lookup.lookup_status` and
+:func:`probe` and :func:`probe_all` ask with :func:`outbox.wire.lookup.lookup_status` and
 settle through the operator's own actions (so the audit row and the optimistic version
 check are the same as an operator's), under the actor ``status-lookup``:
 
@@ -32,14 +32,14 @@ from outbox.errors import (
     OperatorActionRefused,
     ValidationError,
 )
-from outbox.lookup import lookup_status
 from outbox.model import LookupResult, LookupStatus, Operation, Reason, State, ms_to_iso
 from outbox.reconcile.actions import OperatorActions
-from outbox.transport import build_client
+from outbox.wire.lookup import lookup_status
+from outbox.wire.transport import build_client
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
-    from outbox.parts import OutboxParts
+    from outbox.reconcile.parts import OutboxParts
 
 
 #: The actor named in the audit trail for what the status lookup settles.

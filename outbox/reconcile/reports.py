@@ -16,7 +16,7 @@ from outbox.model import (
     Verdict,
     ms_to_iso,
 )
-from outbox.status import Watch
+from outbox.reconcile.status import Watch
 from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:

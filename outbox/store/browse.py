@@ -1,5 +1,5 @@
 """Read-only SQL for browsing an outbox: filtered pages with totals and the audit log.
-Used by :mod:`outbox.browse` (the web console's library); the overview's aggregates are
+Used by :mod:`outbox.reconcile.browse` (the web console's library); the overview's aggregates are
 ``outbox status``'s own (:mod:`outbox.store.monitoring`)."""
 
 from __future__ import annotations

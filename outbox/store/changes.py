@@ -33,7 +33,7 @@ def _logger() -> Any:
     # Imported when a listener logs, not with the store: reading an outbox (the operator's
     # commands) never loads structlog (tests/acceptance/test_cli_startup.py). The library's
     # own logger (stdlib logging under "outbox"), never structlog's global one.
-    from outbox.logs import get_logger
+    from outbox.base.logs import get_logger
 
     return get_logger("outbox.wakeup")
 

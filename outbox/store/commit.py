@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 def _logger() -> Any:
     # Imported on use: enqueue's happy path and read commands never load the logging.
-    from outbox.logs import get_logger
+    from outbox.base.logs import get_logger
 
     return get_logger("outbox.store")
 

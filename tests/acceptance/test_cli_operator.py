@@ -333,7 +333,7 @@ def test_a_password_is_never_printed_and_the_hint_names_the_variable_instead() -
     result = run(["status"], env={"OUTBOX_DB": url})
     assert result.returncode == 3
     assert "hunter2" not in result.stderr
-    from outbox.cli_support import Context
+    from outbox.cli.support import Context
 
     obj = Context()
     obj.db, obj.db_env, obj.schema = url, "OUTBOX_DB", "ops"

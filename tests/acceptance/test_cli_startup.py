@@ -28,13 +28,13 @@ NOT_ON_READ = (
     "tenacity",
     "alembic",
     "structlog",
-    "outbox.dispatch",
-    "outbox.transport",
-    "outbox.lookup",
+    "outbox.dispatch.dispatcher",
+    "outbox.wire.transport",
+    "outbox.wire.lookup",
     "outbox.reconcile.probe",
     "outbox.checker",
-    "outbox.policy",
-    "outbox.bulk",
+    "outbox.dispatch.policy",
+    "outbox.reconcile.bulk",
 )
 
 #: ... and, on SQLite, not SQLAlchemy's PostgreSQL dialect either (the schema's partial

@@ -176,7 +176,7 @@ def test_sigtermed_dispatcher_is_stopped_at_once(
 
 
 def test_heartbeat_rows_of_long_gone_dispatchers_are_pruned(db_url: str) -> None:
-    from outbox.heartbeat import FORGET_AFTER_MS
+    from outbox.dispatch.heartbeat import FORGET_AFTER_MS
 
     ob = Outbox(db_url, auto_migrate=True)
     try:

@@ -212,7 +212,7 @@ def test_health_endpoints_follow_the_loop_and_the_database(tmp_path: Path) -> No
     Driven in-process through the real server, with the timestamps set by the test."""
     from prometheus_client import CollectorRegistry
 
-    from outbox.metrics import serve
+    from outbox.observe.metrics import serve
 
     with Outbox(f"sqlite:///{tmp_path / 'o.sqlite3'}") as ob:
         metrics = ob.metrics(registry=CollectorRegistry())

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 from tenacity import wait_random_exponential
 
-from outbox import Endpoint, Outbox, RetryPolicy, failpoints
+from outbox import Endpoint, Outbox, RetryPolicy
+from outbox.dispatch import failpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")

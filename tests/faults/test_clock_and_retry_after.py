@@ -23,8 +23,8 @@ from outbox import (
     RetryPolicy,
     State,
     SystemClock,
-    failpoints,
 )
+from outbox.dispatch import failpoints
 from outbox.testing.receiver import Receiver
 from tests.faults.support import Hold
 

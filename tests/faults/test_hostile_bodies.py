@@ -22,9 +22,9 @@ from tenacity import wait_fixed
 
 from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State
 from outbox.config import StatusLookup
-from outbox.lookup import lookup_status
 from outbox.model import LookupStatus
-from outbox.transport import build_client
+from outbox.wire.lookup import lookup_status
+from outbox.wire.transport import build_client
 from tests.faults.hostile import hostile_receiver
 
 LIMIT = 1024 * 1024

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from tenacity import wait_fixed
 
-from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State, failpoints
+from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State
+from outbox.dispatch import failpoints
 from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
 from outbox.testing.receiver import Receiver

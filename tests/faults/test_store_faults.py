@@ -34,8 +34,8 @@ from outbox import (
     RetryPolicy,
     State,
     StoreError,
-    failpoints,
 )
+from outbox.dispatch import failpoints
 from outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from outbox.testing.receiver import Receiver
 from tests.faults.support import dispatchers, open_outbox, terminate_backends, until

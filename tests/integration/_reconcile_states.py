@@ -28,7 +28,8 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import make_url
 
-from outbox import Endpoint, FakeClock, Outbox, RetryPolicy, failpoints
+from outbox import Endpoint, FakeClock, Outbox, RetryPolicy
+from outbox.dispatch import failpoints
 from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
 from outbox.store.tables import attempts, audit, operations

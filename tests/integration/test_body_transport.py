@@ -1,6 +1,6 @@
 """Response bodies read through the shipped transport over 127.0.0.1, as httpx would read them.
 
-``outbox.body.read_body`` reads the shipped ``AiohttpTransport``'s stream directly
+``outbox.wire.body.read_body`` reads the shipped ``AiohttpTransport``'s stream directly
 (without ``Response.aiter_raw``) when the response reaches it unwrapped. Whatever the
 path, the outcome is httpx's: the same error class with the aiohttp error as its cause
 for a body cut mid-stream, the same ``Response`` state, the connection back to the pool
@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from outbox.config import Endpoint
-from outbox.exchange import Exchange, exchange
 from outbox.model import Delivery
-from outbox.transport import build_client
+from outbox.wire.exchange import Exchange, exchange
+from outbox.wire.transport import build_client
 from tests.faults.hostile import hostile_receiver
 
 SMALL = b'{"ok": true, "n": 1}'

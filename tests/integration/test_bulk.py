@@ -1,4 +1,4 @@
-"""Bulk operator actions (outbox.bulk) on SQLite and PostgreSQL, over operations in every
+"""Bulk operator actions (outbox.reconcile.bulk) on SQLite and PostgreSQL, over operations in every
 state reached for real (see ``_reconcile_states``)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from outbox.bulk import BulkOutcome, BulkReport, Selection, bulk, select
 from outbox.errors import ValidationError
 from outbox.reconcile import Reconciler
+from outbox.reconcile.bulk import BulkOutcome, BulkReport, Selection, bulk, select
 from outbox.testing.receiver import Receiver
 from tests.integration import _reconcile_states as S
 

@@ -28,9 +28,9 @@ from outbox import (
     Reason,
     RetryPolicy,
     State,
-    failpoints,
-    logs,
 )
+from outbox.base import logs
+from outbox.dispatch import failpoints
 from outbox.testing.receiver import Receiver, Refuse
 
 MakeOutbox = Callable[..., Outbox]

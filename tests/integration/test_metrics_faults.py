@@ -14,7 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tenacity import wait_fixed
 
-from outbox import Endpoint, FakeClock, Outbox, RetryPolicy, State, failpoints
+from outbox import Endpoint, FakeClock, Outbox, RetryPolicy, State
+from outbox.dispatch import failpoints
 from outbox.testing.receiver import Receiver
 
 

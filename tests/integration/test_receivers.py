@@ -39,8 +39,8 @@ from outbox import (
     State,
     ValidationError,
     Verdict,
-    failpoints,
 )
+from outbox.dispatch import failpoints
 from outbox.testing.receiver import Receiver, Refuse
 
 BODY = {"sku": "TEST-BOLT", "quantity": 2}

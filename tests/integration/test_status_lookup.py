@@ -26,10 +26,10 @@ from outbox import Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State
 from outbox.cli import main
 from outbox.config import StatusLookup, default_classify
 from outbox.errors import ConfigurationError, OperatorActionRefused
-from outbox.lookup import lookup_status
 from outbox.model import LookupResult, LookupStatus
 from outbox.reconcile.probe import ACTOR, ProbeAction, probe, probe_all
 from outbox.testing.receiver import Receiver
+from outbox.wire.lookup import lookup_status
 
 MakeOutbox = Callable[..., Outbox]
 RETENTION = timedelta(seconds=60)

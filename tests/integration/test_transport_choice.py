@@ -30,9 +30,9 @@ from tenacity import wait_fixed
 pytest.importorskip("aiohttp")
 
 from outbox import Delivery, Endpoint, FakeClock, Outbox, RetryPolicy, State
-from outbox import transport as outbox_transport
 from outbox.testing.receiver import Receiver
-from outbox.transport import AttemptResult, build_client, send_attempt
+from outbox.wire import transport as outbox_transport
+from outbox.wire.transport import AttemptResult, build_client, send_attempt
 
 Factory = Callable[[Endpoint], httpx.AsyncBaseTransport]
 

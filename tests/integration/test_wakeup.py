@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from outbox import DispatcherSettings, Endpoint, Intent, Outbox, RetryPolicy, State, failpoints
-from outbox.dispatch import Dispatcher
+from outbox import DispatcherSettings, Endpoint, Intent, Outbox, RetryPolicy, State
+from outbox.dispatch import failpoints
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.testing.receiver import Receiver
 from tests.conftest import POSTGRES_URL
 

@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from outbox import Endpoint, sending
-from outbox.transport import build_client, request_headers
+from outbox import Endpoint
+from outbox.wire import sending
+from outbox.wire.transport import build_client, request_headers
 
 CASES: list[tuple[str, dict[str, str], bytes | None]] = [
     ("POST", {}, b'{"sku":"X"}'),

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from outbox import logs
+from outbox.base import logs
 
 #: (status, body bytes) for a request: method, path, headers.
 Responder = Callable[[str, str, dict[str, str]], tuple[int, bytes]]

@@ -1,6 +1,6 @@
 """Log lines cannot be forged; SQLite files are private and a readable one is refused.
 
-Logs are rendered by the CLI's own structlog configuration (``outbox.logs.configure``,
+Logs are rendered by the CLI's own structlog configuration (``outbox.base.logs.configure``,
 JSON lines) into a buffer standing in for stderr: one JSON object per line, whatever
 the receiver answered or a tampered row contains.
 """

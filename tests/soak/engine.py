@@ -40,8 +40,8 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
-from outbox import failpoints
 from outbox.client import Outbox
+from outbox.dispatch import failpoints
 from outbox.errors import OperationConflict, StoreError
 from outbox.store.engine import create_engine, sqlite_path
 from outbox.store.migrate import upgrade

@@ -24,13 +24,13 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, insert, update
 
-import outbox.dispatch
+import outbox.dispatch.dispatcher
 from outbox.config import Endpoint
-from outbox.dispatch import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.store.base import Store
 from outbox.store.records import AttemptOutcome, ClaimResult
 from outbox.store.tables import attempts, operations
-from outbox.transport import request_headers
+from outbox.wire.transport import request_headers
 
 PLANT_ENV = "OUTBOX_SOAK_PLANT"
 Setter = Callable[[Any, str, Any], None]
@@ -44,7 +44,7 @@ def _key_per_attempt(set_: Setter) -> None:
         headers[endpoint.idempotency_header] = kwargs["request_id"]
         return headers
 
-    set_(outbox.dispatch, "request_headers", planted)
+    set_(outbox.dispatch.dispatcher, "request_headers", planted)
 
 
 def _send_before_commit(set_: Setter) -> None:

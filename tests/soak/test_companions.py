@@ -18,8 +18,9 @@ import pytest
 from sqlalchemy import text
 from tenacity import wait_fixed
 
-from outbox import Endpoint, FakeClock, Outbox, RetryPolicy, State, failpoints
-from outbox.dispatch import DispatchSummary
+from outbox import Endpoint, FakeClock, Outbox, RetryPolicy, State
+from outbox.dispatch import failpoints
+from outbox.dispatch.dispatcher import DispatchSummary
 from outbox.testing.receiver import Receiver
 from tests.faults.support import Hold
 from tests.soak import oracle, planted

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from outbox.body import Body, RawStream, read_body
+from outbox.wire.body import Body, RawStream, read_body
 
 TEXT = b'{"hello": "world", "n": 12345}' * 100
 

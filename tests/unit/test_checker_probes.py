@@ -10,7 +10,7 @@ import httpx
 from outbox import Endpoint
 from outbox.checker.probes import Probe, Prober, reading
 from outbox.model import Verdict
-from outbox.transport import build_client
+from outbox.wire.transport import build_client
 
 
 def _gzipped(request: httpx.Request) -> httpx.Response:

@@ -11,13 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from outbox.cli_support import DISPATCH_GC_THRESHOLD
+from outbox.cli.support import DISPATCH_GC_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import gc, sys
-from outbox import cli_support
+from outbox.cli import support as cli_support
 from outbox.cli import main
 if sys.argv[1] == "entry":
     cli_support.pause_gc_for_startup()

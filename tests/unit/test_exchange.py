@@ -1,4 +1,4 @@
-"""outbox.exchange: one request, a bounded read, a deadline, the error named."""
+"""outbox.wire.exchange: one request, a bounded read, a deadline, the error named."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import httpx
 
 from outbox.classify import Classification
 from outbox.config import Endpoint
-from outbox.exchange import Exchange, exchange
 from outbox.model import Delivery, ErrorClass, Verdict
-from outbox.transport import build_client
+from outbox.wire.exchange import Exchange, exchange
+from outbox.wire.transport import build_client
 
 BASE = "https://rx.example/api"
 

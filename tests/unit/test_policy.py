@@ -10,7 +10,7 @@ from tenacity import wait_fixed
 
 from outbox import Endpoint, Reason, RetryPolicy, State, Verdict
 from outbox.classify import parse_retry_after
-from outbox.policy import (
+from outbox.dispatch.policy import (
     backoff_seconds,
     decide,
     in_progress_backoff_seconds,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from outbox import Endpoint
-from outbox.transport import request_headers
+from outbox.wire.transport import request_headers
 
 
 def _reference(endpoint: Endpoint, *, stored_headers: Mapping[str, str], operation_id: str,
@@ -141,7 +141,7 @@ NAMES = ["x-request-id", "X-Request-ID", "request-id", "Request-Id", "x-amzn-req
 
 @pytest.mark.parametrize("raw", RAW_RESPONSE_HEADERS)
 def test_response_header_lookups_are_httpx_lookups(raw: list[tuple[bytes, bytes]]) -> None:
-    from outbox.transport import _ResponseHeaders
+    from outbox.wire.transport import _ResponseHeaders
 
     reference = httpx.Response(200, headers=raw).headers
     ours = _ResponseHeaders(httpx.Response(200, headers=raw).headers)

@@ -8,8 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from outbox import Endpoint, sending
-from outbox.transport import build_client
+from outbox import Endpoint
+from outbox.wire import sending
+from outbox.wire.transport import build_client
 
 HEADERS = {
     "content-type": "application/json",

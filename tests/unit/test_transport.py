@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from outbox import Delivery, Verdict
-from outbox.transport import classify_exception, classify_response, is_key_mismatch
+from outbox.wire.transport import classify_exception, classify_response, is_key_mismatch
 
 NOW = 1_800_000_000_000
 

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from outbox.config import Endpoint, RetryPolicy
+from outbox.dispatch.policy import decide, reason_from_history
 from outbox.model import Delivery, ErrorClass, State, Verdict
-from outbox.policy import decide, reason_from_history
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -23,7 +23,7 @@ from outbox.store.records import (
     Settlement,
     StartedAttempt,
 )
-from outbox.transport import AttemptResult
+from outbox.wire.transport import AttemptResult
 
 #: The window of an operation whose policy was never snapshotted: the default policy's.
 DEFAULT_WINDOW_MS = RetryPolicy().window_ms

@@ -11,12 +11,12 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from outbox.logs import get_logger
+from outbox.base.logs import get_logger
 from outbox.store import monitoring
 from outbox.version import __version__
 
 if TYPE_CHECKING:
-    from outbox.observe import RunningDispatcher
+    from outbox.observe.hooks import RunningDispatcher
 
 logger = get_logger("outbox.dispatch")
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from tenacity import wait_random_exponential
 
-from outbox import logs
+from outbox.base import logs
 from outbox.client import Outbox
 from outbox.config import DispatcherSettings, Endpoint, RetryPolicy
 from outbox.model import State

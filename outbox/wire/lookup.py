@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from outbox.exchange import clean_message, exchange
 from outbox.model import LookupResult
-from outbox.transport import request_headers
+from outbox.wire.exchange import clean_message, exchange
+from outbox.wire.transport import request_headers
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
@@ -43,7 +43,7 @@ async def lookup_status(
 ) -> LookupResult:
     """Ask the receiver about ``operation_id`` through ``endpoint.status_lookup``.
 
-    ``client`` is the endpoint's client (``outbox.transport.build_client``). Bounded by
+    ``client`` is the endpoint's client (``outbox.wire.transport.build_client``). Bounded by
     the endpoint's timeout. Never raises on a network or receiver problem: that is
     UNKNOWN, with the error as evidence.
     """

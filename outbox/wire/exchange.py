@@ -1,12 +1,12 @@
 """One HTTP exchange: send one request, read its answer in bounded memory, under a deadline.
 
-Attempts (:func:`outbox.transport.send_attempt`), status lookups
-(:func:`outbox.lookup.lookup_status`) and the conformance checker's probes all send
+Attempts (:func:`outbox.wire.transport.send_attempt`), status lookups
+(:func:`outbox.wire.lookup.lookup_status`) and the conformance checker's probes all send
 through :func:`exchange`, so they share one way of
 
-* building and sending the request (:mod:`outbox.sending`: straight to the client's
+* building and sending the request (:mod:`outbox.wire.sending`: straight to the client's
   transport when the client has no auth, hooks or cookies, else ``client.send``);
-* reading the body (:func:`outbox.body.read_body`: decoded, bounded, hashed);
+* reading the body (:func:`outbox.wire.body.read_body`: decoded, bounded, hashed);
 * bounding the time (one ``asyncio.timeout`` around build, send and read, so a receiver
   dripping one byte at a time still hits the deadline);
 * naming what went wrong (:attr:`Exchange.error_class`) and what it proves about
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from outbox import sending
-from outbox.body import Body, read_body
 from outbox.classify import Classification
 from outbox.model import Delivery, ErrorClass, Verdict
+from outbox.wire import sending
+from outbox.wire.body import Body, read_body
 
 __all__ = ["Exchange", "classify_exception", "clean_message", "exchange"]
 
@@ -182,7 +182,7 @@ async def exchange(
     """Send one request through ``client`` and read its answer, within ``deadline_seconds``.
 
     ``keep``: body bytes held in memory; ``limit``: decoded bytes read at most (past it
-    the body is recorded as "at least", see :class:`outbox.body.Body`). ``home_only``:
+    the body is recorded as "at least", see :class:`outbox.wire.body.Body`). ``home_only``:
     refuse, unsent, a ``path`` that would leave the client's base URL (a stored path is
     relative to the registered base URL, always: a tampered row must not aim the
     request, and the endpoint's credentials, elsewhere). Never raises for what the

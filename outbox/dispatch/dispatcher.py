@@ -19,15 +19,17 @@ from typing import Any, TypeVar
 import httpx
 from sqlalchemy.exc import DBAPIError
 
-from outbox import failpoints, heartbeat
+from outbox.base.logs import get_logger
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
-from outbox.dbthread import DatabaseUnresponsive, DbThread, error_detail, write_while_leased
-from outbox.errors import StoreError
-from outbox.logs import get_logger
-from outbox.model import ErrorClass, State
-from outbox.observe import NOTHING, Instrumentation
-from outbox.outcomes import (
+from outbox.dispatch import failpoints, heartbeat
+from outbox.dispatch.dbthread import (
+    DatabaseUnresponsive,
+    DbThread,
+    error_detail,
+    write_while_leased,
+)
+from outbox.dispatch.outcomes import (
     DispatchSummary,
     Work,
     attempt_outcome,
@@ -36,15 +38,18 @@ from outbox.outcomes import (
     plan_claimed,
     transition_event,
 )
+from outbox.dispatch.unresolved import OnUnresolved, UnresolvedLookups
+from outbox.dispatch.wakeup import Wakeup, wait_any
+from outbox.errors import StoreError
+from outbox.model import ErrorClass, State
+from outbox.observe.hooks import NOTHING, Instrumentation
 from outbox.store.base import Store
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
     ClaimResult,
 )
-from outbox.transport import build_client, request_headers, send_attempt
-from outbox.unresolved import OnUnresolved, UnresolvedLookups
-from outbox.wakeup import Wakeup, wait_any
+from outbox.wire.transport import build_client, request_headers, send_attempt
 
 logger = get_logger("outbox.dispatch")
 
@@ -119,7 +124,7 @@ class Dispatcher:
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
-        #: What wakes this dispatcher when idle (see outbox.wakeup); ``wakeup.stats``
+        #: What wakes this dispatcher when idle (see outbox.dispatch.wakeup); ``wakeup.stats``
         #: counts claims and wake-ups, ``wakeup.hooks`` observes them.
         self.wakeup = Wakeup(
             store.change_source(
@@ -553,7 +558,7 @@ class Dispatcher:
         """Write a batch of outcomes, with the next claim when the loop waits for their
         slots (one transaction). Alone, or if that transaction fails: retry a transient
         database failure while a lease of the batch still holds (see
-        :func:`outbox.dbthread.write_while_leased`)."""
+        :func:`outbox.dispatch.dbthread.write_while_leased`)."""
         limit = self._claim_with_outcomes(len(batch))
         if limit:
             self._reserve(limit)

@@ -131,7 +131,7 @@ class Context:
         self._outbox: Outbox | None = None
 
     def configure_logs(self) -> None:
-        from outbox import logs
+        from outbox.base import logs
 
         logs.configure(self.log_level, self.log_format)
 
@@ -353,7 +353,7 @@ def _is_connect(exc: Any) -> bool:
 
 
 def fail(code: int, message: str) -> NoReturn:
-    from outbox.safetext import neutralise
+    from outbox.base.safetext import neutralise
 
     click.echo(f"error: {neutralise(message)}", err=True)
     sys.exit(code)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
-from outbox.logs import get_logger
+from outbox.base.logs import get_logger
 
 logger = get_logger("outbox.supervise")
 

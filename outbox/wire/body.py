@@ -31,9 +31,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import httpx
 
-#: Decoded bytes read at most from one response before reading stops (the body is then
-#: recorded as "at least this big"). Overridable per endpoint (``Endpoint.read_limit``).
-DEFAULT_READ_LIMIT = 4 * 1024 * 1024
 #: The most output one decompression step may produce.
 _STEP = 64 * 1024
 #: More stacked content codings than this is not a real server.

@@ -15,7 +15,7 @@ from outbox.model import ms_to_iso
 from outbox.store import monitoring
 
 if TYPE_CHECKING:
-    from outbox.parts import OutboxParts
+    from outbox.reconcile.parts import OutboxParts
 
 #: A dispatcher silent for longer than this is listed as lost (``--dispatcher-timeout``).
 DEFAULT_DISPATCHER_TIMEOUT = timedelta(seconds=30)

@@ -23,8 +23,8 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from outbox.base.logs import get_logger
 from outbox.clock import Clock
-from outbox.logs import get_logger
 from outbox.store.changes import ChangeSource
 
 logger = get_logger("outbox.wakeup")

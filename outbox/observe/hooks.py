@@ -1,7 +1,8 @@
 """The dispatcher's instrumentation hooks: one small interface, a no-op by default.
 
 The dispatcher calls these at fixed points (a claim, an attempt, an outcome). Metrics
-(``outbox.metrics``, prometheus_client) and traces (``outbox.tracing``, OpenTelemetry)
+(``outbox.observe.metrics``, prometheus_client) and traces (``outbox.observe.tracing``,
+OpenTelemetry)
 implement them in their own modules, imported only when they are switched on; with
 neither, every hook is an empty method call.
 """
@@ -17,14 +18,14 @@ if TYPE_CHECKING:
     from outbox.model import Reason, State
     from outbox.store.base import Store
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
-    from outbox.transport import AttemptResult
+    from outbox.wire.transport import AttemptResult
 
 _T = TypeVar("_T")
 
 
 class RunningDispatcher(Protocol):
     """What instrumentation and heartbeats read of a running dispatcher
-    (:class:`outbox.dispatch.Dispatcher`), so they need not import it."""
+    (:class:`outbox.dispatch.dispatcher.Dispatcher`), so they need not import it."""
 
     @property
     def dispatcher_id(self) -> str: ...

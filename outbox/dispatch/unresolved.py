@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from outbox.config import Endpoint
-from outbox.lookup import lookup_status
 from outbox.model import Reason, State
 from outbox.store.records import AttemptOutcome
+from outbox.wire.lookup import lookup_status
 
 if TYPE_CHECKING:
     from outbox.reconcile.probe import ProbeOutcome

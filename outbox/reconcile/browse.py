@@ -31,12 +31,12 @@ from outbox.reconcile import (
     default_operator,
 )
 from outbox.reconcile.probe import probe, skip_reason
-from outbox.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
+from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
 from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:
-    from outbox.parts import OutboxParts
+    from outbox.reconcile.parts import OutboxParts
 
 T = TypeVar("T")
 

@@ -1,0 +1,1 @@
+"""Foundation helpers below the store: structured logging and safe terminal text."""

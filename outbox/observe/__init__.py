@@ -1,0 +1,1 @@
+"""What the dispatcher tells the world: observer hooks, Prometheus metrics, OpenTelemetry."""
