@@ -137,9 +137,9 @@ def test_configured_logging_receives_the_events_with_their_fields(
     } <= events
     # INFO: no DEBUG events (operations_claimed is DEBUG).
     assert "operations_claimed" not in events
-    assert all(r["logger"] == "outbox.dispatch.dispatcher" for r in records)
+    assert all(r["logger"] == "outbox.dispatch" for r in records)
     # The record points at the line that logged, not at the logging plumbing.
-    assert all(r["file"] == "dispatch.py" for r in records)
+    assert all(r["file"] == "dispatcher.py" for r in records)
     finished = [r for r in records if r["fields"]["event"] == "attempt_finished"]
     dropped = [r for r in finished if r["fields"]["operation_id"] == "quiet-dropped"]
     assert [r["fields"]["delivery"] for r in dropped] == ["unknown", "sent"]
@@ -158,7 +158,7 @@ def test_configured_logging_receives_the_events_with_their_fields(
     logged = {r["fields"]["request_id"] for r in finished}
     assert seen == logged
     # The application's own handler (basicConfig's, on stderr) printed the same events.
-    assert done.stderr.count("INFO:outbox.dispatch.dispatcher:attempt_finished ") == len(finished)
+    assert done.stderr.count("INFO:outbox.dispatch:attempt_finished ") == len(finished)
 
 
 def test_warning_level_keeps_only_warnings(tmp_path: Path, receiver: Receiver) -> None:
