@@ -131,6 +131,8 @@ class Outbox(AsyncMethods, TransactionMethods):
         if existing is not None and existing != endpoint:
             raise ConfigurationError(f"endpoint {endpoint.name!r} is already registered")
         self._endpoints[endpoint.name] = endpoint
+        if endpoint.tenant_max_in_flight is not None:
+            self.store.tenant_caps[endpoint.name] = endpoint.tenant_max_in_flight
         return endpoint
 
     @property

@@ -20,10 +20,12 @@ from sqlalchemy import (
     Boolean,
     Connection,
     Integer,
+    String,
     Text,
     any_,
     bindparam,
     cast,
+    column,
     func,
     insert,
     literal,
@@ -37,6 +39,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from outbox.store.base import Store
+from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
 from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.records import AttemptOutcome, StartedAttempt, TxStatus
@@ -46,7 +49,6 @@ from outbox.store.statements import (
     OutcomeShape,
     attempt_outcome_update,
     claim_limits,
-    claimable_ids,
     outcome_shape,
     outcome_update,
 )
@@ -222,10 +224,17 @@ class PostgresStore(Store):
         # "was": the state before the claim, so the recovery UPDATE of open attempts
         # runs only when a row was taken over from an expired lease (a round trip saved
         # on every other claim).
+        # The fair claim (store.fairness): "rn" and "pos" place each row in the
+        # claim's rounds, so the next claim's rotation starts after the last served.
         due = (
-            claimable_ids(*claim_limits())
-            .add_columns(operations.c.state.label("was"))
-            .with_for_update(skip_locked=True, of=operations)
+            text(fair_claim_sql("postgresql"))
+            .bindparams(*claim_limits(), *fair_params())
+            .columns(
+                operations.c.id,
+                column("was", String),
+                column("rn", BigInteger),
+                column("pos", BigInteger),
+            )
             .cte("due")
             .prefix_with("MATERIALIZED")
         )
@@ -233,7 +242,7 @@ class PostgresStore(Store):
             update(operations)
             .where(operations.c.id == due.c.id)
             .values(CLAIM_VALUES)
-            .returning(*self._CLAIMED_COLUMNS, due.c.was)
+            .returning(*self._CLAIMED_COLUMNS, due.c.rn, due.c.pos, due.c.was)
         )
 
     def server_time_ms(self) -> int | None:
