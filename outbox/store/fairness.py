@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-
 from typing import Any
 
 from sqlalchemy import String, Text, bindparam

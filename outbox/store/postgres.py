@@ -39,8 +39,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from outbox.store.base import Store
-from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
+from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.records import AttemptOutcome, StartedAttempt, TxStatus
 from outbox.store.rows import headers_text
