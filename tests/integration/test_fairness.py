@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-import outbox
 from tenacity import wait_fixed
 
+import outbox
 from outbox import (
     DispatcherSettings,
     Endpoint,
@@ -57,8 +56,9 @@ def make_ob(db_url: str, receiver: Receiver) -> Iterator[MakeOutbox]:
                     name="rx",
                     base_url=receiver.url,
                     timeout=2.0,
-                    retry=RetryPolicy(max_attempts=4, window=timedelta(seconds=60),
-                                      wait=wait_fixed(1)),  # fmt: skip
+                    retry=RetryPolicy(
+                        max_attempts=4, window=timedelta(seconds=60), wait=wait_fixed(1)
+                    ),
                     key_retention=timedelta(hours=1),
                     tenant_header="X-Tenant",
                     **endpoint,
@@ -83,9 +83,9 @@ def _intent(op_id: str, tenant: str, **kw: Any) -> Intent:
     return Intent("rx", "POST", "/orders", {"op": op_id}, None, op_id, tenant, **kw)
 
 
-def _claim(ob: Outbox, limit: int, token: str = "t") -> list[str]:
+def _claim(ob: Outbox, limit: int, lease: str = "t") -> list[str]:
     claimed, _ = ob.store.claim(
-        owner="test", token=token, now_ms=ob.clock.now_ms(), lease_ms=60_000, limit=limit
+        owner="test", token=lease, now_ms=ob.clock.now_ms(), lease_ms=60_000, limit=limit
     )
     return [c.operation_id for c in claimed]
 
