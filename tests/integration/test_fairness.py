@@ -8,6 +8,7 @@ time. Time is a FakeClock.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -311,3 +312,68 @@ def test_tenant_max_in_flight_must_be_a_positive_int() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigurationError, match="tenant_max_in_flight"):
             Endpoint(name="x", base_url="http://127.0.0.1:1", tenant_max_in_flight=bad)
+
+
+# -- the operator sees them --------------------------------------------------------------
+
+
+def test_show_displays_priority_and_not_before(make_ob: MakeOutbox, db_url: str) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+
+    ob = make_ob()
+    at = datetime(2031, 5, 4, 3, 2, 1, tzinfo=UTC)
+    ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="s",
+               priority=7, not_before=at)  # fmt: skip
+    ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="plain")
+    shown = CliRunner().invoke(main, ["--db", db_url, "show", "s", "--json"])
+    assert shown.exit_code == 0, shown.output
+    data = json.loads(shown.output)
+    data = data.get("operation", data)
+    assert (data["priority"], data["not_before"]) == (7, "2031-05-04T03:02:01.000Z")
+    table = CliRunner().invoke(main, ["--db", db_url, "show", "s"])
+    assert "priority: 7" in table.output
+    assert "not before: 2031-05-04T03:02:01.000Z" in table.output
+    plain = CliRunner().invoke(main, ["--db", db_url, "show", "plain"])
+    assert "priority" not in plain.output and "not before" not in plain.output
+
+
+# -- the claim stays on its indexes ------------------------------------------------------
+
+
+def test_the_claim_plan_uses_only_indexes_on_sqlite(make_ob: MakeOutbox, db_url: str) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("SQLite's plan; PostgreSQL's is the next test")
+    from outbox.store.fairness import fair_claim_sql
+
+    ob = make_ob()
+    ob.enqueue_many([_intent(f"a-{i}", "A") for i in range(50)])
+    with ob.engine.connect() as conn:
+        plan = [str(r[3]) for r in conn.exec_driver_sql(
+            "EXPLAIN QUERY PLAN " + fair_claim_sql("sqlite"),
+            {"now_ms": 0, "limit": 32, "cursor": "", "caps": "{}"},
+        )]  # fmt: skip
+    tables = [line for line in plan if re.search(r"\b(outbox_operations|o|e|f)\b", line)]
+    indexed = re.compile(r"USING (COVERING )?INDEX ix_outbox_|USING INTEGER PRIMARY KEY")
+    assert tables and all(indexed.search(line) for line in tables), plan
+    # A tenant's next rows come in the index's order: no sort inside the tenant's lookup.
+    lookup = plan.index(next(p for p in plan if "CORRELATED LIST SUBQUERY" in p))
+    assert "INDEX ix_outbox_operations_fair (tenant=?)" in plan[lookup + 1]
+
+
+def test_the_claim_plan_is_index_scans_on_postgresql(db_url: str) -> None:
+    if not db_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL's plan; SQLite's is the test before")
+    from benchmarks.claim_plan import drop_schema, explain, make_schema
+
+    now = 1_800_000_000_000
+    schema, engine, _ = make_schema(rows=50_000, tenants=200, now=now)
+    try:
+        plan = "\n".join(explain(engine, now))
+    finally:
+        drop_schema(schema, engine)
+    assert "Seq Scan" not in plan, plan
+    assert "Index Scan using ix_outbox_operations_fair" in plan
