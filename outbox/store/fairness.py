@@ -53,11 +53,14 @@ def fair_claim_sql(dialect: str) -> str:
     pg = dialect == "postgresql"
     ix = "" if pg else " INDEXED BY ix_outbox_operations_fair"
     fx = "" if pg else " INDEXED BY ix_outbox_operations_tenant_in_flight"
+    # "ORDER BY tenant, priority DESC": only the due index gives that order, so the walk
+    # cannot wander into the unique (tenant, operation_id) index, which holds every
+    # finished row too (PostgreSQL chose it at a backlog of due rows only).
     first = (
         f"SELECT tenant FROM {_T}{ix} WHERE {_DUE} AND tenant > {{after}} "
-        f"ORDER BY tenant LIMIT 1"
+        f"ORDER BY tenant, priority DESC LIMIT 1"
     )
-    wrap = f"SELECT tenant FROM {_T}{ix} WHERE {_DUE} ORDER BY tenant LIMIT 1"
+    wrap = f"SELECT tenant FROM {_T}{ix} WHERE {_DUE} ORDER BY tenant, priority DESC LIMIT 1"
     blocked = (
         f"SELECT 1 FROM {_T} AS e WHERE e.tenant = o.tenant AND e.ordering_key = o.ordering_key"
         f" AND e.id < o.id AND e.state IN ({sql_list(BLOCKING_STATES)})"
@@ -67,6 +70,8 @@ def fair_claim_sql(dialect: str) -> str:
         f"(SELECT count(*) FROM {_T} AS f{fx} WHERE f.state = 'in_flight' "
         f"AND f.tenant = o.tenant AND f.endpoint = o.endpoint AND f.lease_until > :now_ms)"
     )
+    # Counted only where the endpoint has a limit (CASE is evaluated lazily).
+    room = f"CASE WHEN {cap} IS NULL THEN NULL ELSE {cap} - {in_flight} END"
     rows_of_tenant = (
         f"FROM {_T} AS o{ix} WHERE o.tenant = ring.tenant AND o.{_DUE} "
         f"AND o.next_attempt_at <= :now_ms "
@@ -78,13 +83,13 @@ def fair_claim_sql(dialect: str) -> str:
         candidates = (
             f"SELECT ring.pos, c.id, c.tenant, c.endpoint, c.priority, c.next_attempt_at, "
             f"c.cap, c.room FROM ring CROSS JOIN LATERAL (SELECT o.id, o.tenant, o.endpoint, "
-            f"o.priority, o.next_attempt_at, {cap} AS cap, {cap} - {in_flight} AS room "
+            f"o.priority, o.next_attempt_at, {cap} AS cap, {room} AS room "
             f"{rows_of_tenant}) AS c"
         )
     else:
         candidates = (
             f"SELECT ring.pos, o.id, o.tenant, o.endpoint, o.priority, o.next_attempt_at, "
-            f"{cap} AS cap, {cap} - {in_flight} AS room "
+            f"{cap} AS cap, {room} AS room "
             f"FROM ring JOIN {_T} AS o ON o.id IN (SELECT o.id {rows_of_tenant})"
         )
     rotation = (

@@ -377,3 +377,5 @@ def test_the_claim_plan_is_index_scans_on_postgresql(db_url: str) -> None:
         drop_schema(schema, engine)
     assert "Seq Scan" not in plan, plan
     assert "Index Scan using ix_outbox_operations_fair" in plan
+    # The tenant walk stays on the due index, never on one that holds finished rows too.
+    assert "uq_outbox_operations_tenant_operation_id" not in plan, plan
