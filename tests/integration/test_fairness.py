@@ -379,3 +379,12 @@ def test_the_claim_plan_is_index_scans_on_postgresql(db_url: str) -> None:
     assert "Index Scan using ix_outbox_operations_fair" in plan
     # The tenant walk stays on the due index, never on one that holds finished rows too.
     assert "uq_outbox_operations_tenant_operation_id" not in plan, plan
+
+
+def test_the_guide_s_python_blocks_run(db_url: str) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the guide's examples use SQLite")
+    guide = Path(__file__).parents[2] / "docs" / "guide" / "fairness-and-scheduling.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    exec(compile("\n".join(blocks), str(guide), "exec"), {})  # noqa: S102
