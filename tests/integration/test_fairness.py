@@ -297,6 +297,18 @@ def test_tenant_max_in_flight_is_kept_across_claims(make_ob: MakeOutbox) -> None
     assert [op[0] for op in _claim(ob, 10, "t3")] == ["a"]
 
 
+def test_tenant_max_in_flight_over_http(make_ob: MakeOutbox, receiver: Receiver) -> None:
+    ob = make_ob(tenant_max_in_flight=2)
+    ob.enqueue_many([_intent(f"a-{i}", "A") for i in range(10)])
+    ob.enqueue_many([_intent(f"b-{i}", "B") for i in range(10)])
+    _clock(ob).advance(0.001)
+    # One batch of 8 slots: the claim keeps each tenant to 2 in flight.
+    summary = asyncio.run(ob.dispatcher(DispatcherSettings(concurrency=8, batch_size=8))
+                          .run(once=True))  # fmt: skip
+    assert summary.succeeded == 4
+    assert Counter(r.tenant for r in receiver.requests()) == {"A": 2, "B": 2}
+
+
 def test_an_expired_lease_does_not_count_against_the_limit(make_ob: MakeOutbox) -> None:
     ob = make_ob(tenant_max_in_flight=1)
     ob.enqueue_many([_intent(f"a-{i}", "A") for i in range(3)])
