@@ -53,6 +53,7 @@ def explain(engine: sa.Engine, now: int, limit: int = 32) -> list[str]:
     """The claim selection's plan, executed (EXPLAIN ANALYZE) and its locks rolled back."""
     sql = "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + fair_claim_sql("postgresql")
     with engine.connect() as conn:
+        conn.exec_driver_sql("SET LOCAL jit = off")  # as the claim runs (PostgresStore)
         lines = [
             str(r[0])
             for r in conn.execute(

@@ -217,6 +217,7 @@ class DispatchQueries:
     ) -> tuple[list[Claimed], list[Recovered]]:
         until = now_ms + lease_ms
         statement, has_was = self._claim_built
+        self._before_claim(conn)
         cursor = self.tenant_cursor
         rows = conn.execute(
             statement,
@@ -239,6 +240,9 @@ class DispatchQueries:
             flagged = {r.pk for r in recovered}
             claimed = [replace(c, maybe_delivered=True) if c.pk in flagged else c for c in claimed]
         return claimed, recovered
+
+    def _before_claim(self, conn: Connection) -> None:
+        """A dialect's preparation of the claim's transaction (nothing by default)."""
 
     def _close_open_attempts(
         self, conn: Connection, pks: Sequence[int], now_ms: int
