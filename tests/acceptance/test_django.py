@@ -162,6 +162,17 @@ def test_enqueue_outside_atomic_commits_at_once_like_save(shop: Shop) -> None:
     assert shop.operations() == [("order-20-reserve", "pending")]
 
 
+def test_priority_and_not_before_on_djangos_connection(shop: Shop) -> None:
+    shop.manage("migrate", "-v0")
+    out = shop.manage("shop_scenario", "scheduled").stdout
+    assert "naive refused" in out and "scheduled done" in out
+    assert shop.orders() == [(40, "new")]
+    assert shop.operations() == [("order-40-reserve", "pending")]
+    row = shop.query("SELECT priority, not_before, next_attempt_at FROM outbox_operations")
+    at = 1925089445000  # 2031-01-02T03:04:05Z
+    assert [tuple(int(v) for v in r) for r in row] == [(5, at, at)]
+
+
 def test_a_conflict_inside_atomic_leaves_djangos_transaction_usable(shop: Shop) -> None:
     shop.manage("migrate", "-v0")
     shop.manage("place_order", "17")
