@@ -72,25 +72,28 @@ def fair_claim_sql(dialect: str) -> str:
     )
     # Counted only where the endpoint has a limit (CASE is evaluated lazily).
     room = f"CASE WHEN {cap} IS NULL THEN NULL ELSE {cap} - {in_flight} END"
-    rows_of_tenant = (
+    claimable = (
         f"FROM {_T} AS o{ix} WHERE o.tenant = ring.tenant AND o.{_DUE} "
         f"AND o.next_attempt_at <= :now_ms "
         f"AND (o.ordering_key IS NULL OR NOT EXISTS ({blocked})) "
-        f"AND ({cap} IS NULL OR {in_flight} < {cap}) "
-        f"ORDER BY o.priority DESC, o.next_attempt_at, o.id LIMIT :limit"
+        f"AND ({cap} IS NULL OR {in_flight} < {cap})"
+    )
+    rows_of_tenant = (
+        f"{claimable} ORDER BY o.priority DESC, o.next_attempt_at, o.id "
+        "LIMIT (SELECT k FROM share)"
     )
     if pg:
         candidates = (
             f"SELECT ring.pos, c.id, c.tenant, c.endpoint, c.priority, c.next_attempt_at, "
-            f"c.cap, c.room FROM ring CROSS JOIN LATERAL (SELECT o.id, o.tenant, o.endpoint, "
-            f"o.priority, o.next_attempt_at, {cap} AS cap, {room} AS room "
+            f"c.cap, c.room FROM live AS ring CROSS JOIN LATERAL (SELECT o.id, o.tenant, "
+            f"o.endpoint, o.priority, o.next_attempt_at, {cap} AS cap, {room} AS room "
             f"{rows_of_tenant}) AS c"
         )
     else:
         candidates = (
             f"SELECT ring.pos, o.id, o.tenant, o.endpoint, o.priority, o.next_attempt_at, "
             f"{cap} AS cap, {room} AS room "
-            f"FROM ring JOIN {_T} AS o ON o.id IN (SELECT o.id {rows_of_tenant})"
+            f"FROM live AS ring JOIN {_T} AS o ON o.id IN (SELECT o.id {rows_of_tenant})"
         )
     rotation = (
         "WITH RECURSIVE walk(tenant, start, n) AS ("
@@ -101,6 +104,14 @@ def fair_claim_sql(dialect: str) -> str:
         "walk.n + 1 FROM walk WHERE walk.n < :limit AND (walk.n = 1 OR walk.tenant <> walk.start)"
         "), "
         "ring AS (SELECT tenant, min(n) AS pos FROM walk GROUP BY tenant), "
+        # The visited tenants with a row to claim now (one probe each): a tenant whose
+        # rows are all in flight or scheduled later takes no share.
+        f"live AS (SELECT ring.tenant, ring.pos FROM ring WHERE EXISTS (SELECT 1 {claimable})), "
+        # Each tenant's share of candidates: twice its even share of the batch (room
+        # for a tenant with fewer rows to be made up by the others), the whole batch
+        # for one or two tenants: candidates stay near 2 x limit, not limit x tenants.
+        "share AS (SELECT CASE WHEN count(*) <= 2 THEN :limit "
+        "ELSE (2 * :limit + count(*) - 1) / count(*) END AS k FROM live), "
         f"cand AS ({candidates}), "
         "ranked AS (SELECT id, pos, ROW_NUMBER() OVER (PARTITION BY tenant "
         "ORDER BY priority DESC, next_attempt_at, id) AS rn, CASE WHEN cap IS NULL THEN 1 "

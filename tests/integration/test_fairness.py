@@ -148,6 +148,16 @@ def test_more_tenants_than_a_batch_are_all_served_in_turn(make_ob: MakeOutbox) -
     assert sorted(Counter(served).values()) == [1] * 8 + [2] * 2
 
 
+def test_tenants_with_nothing_claimable_take_no_share_of_the_batch(make_ob: MakeOutbox) -> None:
+    ob = make_ob()
+    ob.enqueue_many([_intent(f"s{i:02d}", f"s{i:02d}") for i in range(20)])
+    _clock(ob).advance(0.001)
+    assert len(_claim(ob, 20, "t1")) == 20  # each small tenant's one row now in flight
+    ob.enqueue_many([_intent(f"big-{i}", "big") for i in range(50)])
+    _clock(ob).advance(0.001)
+    assert len(_claim(ob, 30, "t2")) == 30  # the whole batch, not a 1/21 share
+
+
 def test_ordering_keys_in_a_tenant_do_not_hold_others(make_ob: MakeOutbox) -> None:
     ob = make_ob()
     ob.enqueue_many([_intent(f"k-{i}", "A", ordering_key="cust-1") for i in range(50)])
@@ -364,16 +374,19 @@ def test_the_claim_plan_uses_only_indexes_on_sqlite(make_ob: MakeOutbox, db_url:
     ob = make_ob()
     ob.enqueue_many([_intent(f"a-{i}", "A") for i in range(50)])
     with ob.engine.connect() as conn:
-        plan = [str(r[3]) for r in conn.exec_driver_sql(
+        rows = [(r[0], r[1], str(r[3])) for r in conn.exec_driver_sql(
             "EXPLAIN QUERY PLAN " + fair_claim_sql("sqlite"),
             {"now_ms": 0, "limit": 32, "cursor": "", "caps": "{}"},
         )]  # fmt: skip
+    plan = [detail for _, _, detail in rows]
     tables = [line for line in plan if re.search(r"\b(outbox_operations|o|e|f)\b", line)]
     indexed = re.compile(r"USING (COVERING )?INDEX ix_outbox_|USING INTEGER PRIMARY KEY")
     assert tables and all(indexed.search(line) for line in tables), plan
     # A tenant's next rows come in the index's order: no sort inside the tenant's lookup.
-    lookup = plan.index(next(p for p in plan if "CORRELATED LIST SUBQUERY" in p))
-    assert "INDEX ix_outbox_operations_fair (tenant=?)" in plan[lookup + 1]
+    lookup = next(i for i, _, d in rows if "CORRELATED LIST SUBQUERY" in d)
+    inside = [d for _, parent, d in rows if parent == lookup]
+    assert "SEARCH o USING INDEX ix_outbox_operations_fair (tenant=?)" in inside, inside
+    assert not any("TEMP B-TREE" in d for d in inside), inside
 
 
 def test_the_claim_plan_is_index_scans_on_postgresql(db_url: str) -> None:
