@@ -2,9 +2,10 @@
 
 A claim visits up to ``limit`` tenants that have due work, starting after the tenant
 its store served last (``cursor``) and wrapping around: a recursive skip scan over
-``ix_outbox_operations_fair``, one index probe per tenant. From each tenant it takes
-the next ``limit`` claimable rows in the tenant's own order (priority, highest first,
-then due time), through the same index. The batch is then dealt in rounds: every
+``ix_outbox_operations_fair``, one index probe per tenant. From each visited tenant
+that has a row to claim now it takes its next claimable rows in the tenant's own order
+(priority, highest first, then due time), through the same index: the whole batch for
+one or two such tenants, else twice its even share. The batch is then dealt in rounds: every
 visited tenant's first row, then every tenant's second, and so on (``ROW_NUMBER()``
 over the few candidate rows, never over the backlog). A backlog of one tenant thus
 costs another at most one round of a batch, however long it is.
