@@ -4,7 +4,7 @@ Rows are bulk-loaded with the driver's fastest path (sqlite3 ``executemany`` in 
 transaction; PostgreSQL ``COPY``). Each measured claim takes 100 operations through
 ``Store.claim`` (its own transaction, commit included); the claimed rows are then put
 back, untimed, so every claim sees the same backlog. The query plan of the claim is
-checked for the partial index ``ix_outbox_operations_due``.
+checked for the partial index ``ix_outbox_operations_fair`` (the fair claim's index).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.common import payload
 
-INDEX = "ix_outbox_operations_due"
+INDEX = "ix_outbox_operations_fair"
 _COLUMNS = (
     "tenant",
     "operation_id",
@@ -115,7 +115,7 @@ def _put_back(engine: Any, pks: list[int], now_ms: int) -> None:
 def claim_plan(store: Any, now_ms: int) -> str:
     """The database's plan for the claim statement, as text."""
     params = {"now_ms": now_ms, "limit": 100, "c_token": "t", "c_owner": "o",
-              "c_until": now_ms + 30_000, "c_now": now_ms}  # fmt: skip
+              "c_until": now_ms + 30_000, "c_now": now_ms, "cursor": "", "caps": "{}"}  # fmt: skip
     compiled = store._claim_statement().compile(dialect=store.engine.dialect)
     bound = compiled.construct_params(params)
     sql = str(compiled)

@@ -768,7 +768,7 @@ def report(res: dict[str, Any], transport: str) -> str:
                 lines.append(
                     f"  {kind:<9}{r['mode']:<10} backlog {r['backlog']:>9,}: "
                     f"{r['ms_per_claim_100']:>9.2f} ms   "
-                    f"{'uses' if r['uses_due_index'] else 'does NOT use'} ix_outbox_operations_due"
+                    f"{'uses' if r['uses_due_index'] else 'does NOT use'} ix_outbox_operations_fair"
                 )
     rss = res["phases"].get("rss")
     if rss:

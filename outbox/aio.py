@@ -15,6 +15,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sqlalchemy import Connection
@@ -106,13 +107,16 @@ class AsyncMethods:
         tenant: str = "",
         ordering_key: str | None = None,
         connection: Any = None,
+        priority: int = 0,
+        not_before: datetime | None = None,
     ) -> Operation:
         """:meth:`Outbox.enqueue` for asyncio: with ``connection`` (an
         ``AsyncConnection`` or ``AsyncSession``) the operation joins that transaction and
         is never committed by us; same validation, same idempotent re-enqueue, same
         :class:`OperationConflict`."""
         ob = _outbox(self)
-        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
+        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
+                        priority, not_before)  # fmt: skip
         if connection is None:
             # Checked here, in the caller's task: the worker thread is not the lock holder.
             ob._refuse_if_caller_holds_the_lock()
@@ -126,6 +130,8 @@ class AsyncMethods:
                 operation_id=operation_id,
                 tenant=tenant,
                 ordering_key=ordering_key,
+                priority=priority,
+                not_before=not_before,
             )
         conn = await async_connection_of(connection, "enqueue")
         checked = ob._validate(intent)  # before the database is touched

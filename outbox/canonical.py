@@ -10,7 +10,8 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 from outbox.errors import ValidationError
@@ -55,6 +56,10 @@ class CanonicalArgs:
     headers: dict[str, str]
     body_json: str | None  #: canonical JSON text, or None for no body
     args_sha256: str
+    #: Claim order within the tenant (higher first): scheduling, not in the fingerprint.
+    priority: int = 0
+    #: A scheduled send (epoch ms), or None: scheduling, not in the fingerprint.
+    not_before_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,47 @@ class Intent:
     operation_id: str | None = None
     tenant: str = ""
     ordering_key: str | None = None
+    priority: int = 0
+    not_before: datetime | None = None
+
+
+#: ``priority`` is stored in a 32-bit column.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def check_priority(priority: object) -> int:
+    if type(priority) is not int or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise ValidationError(
+            f"priority must be an int from {PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]} "
+            f"(higher is sent first), got {priority!r}"
+        )
+    return priority
+
+
+def check_not_before(not_before: object) -> int | None:
+    """A scheduled send as epoch milliseconds; a naive datetime is refused (its zone
+    would be a guess)."""
+    if not_before is None:
+        return None
+    if not isinstance(not_before, datetime):
+        raise ValidationError(
+            f"not_before must be a timezone-aware datetime, got {type(not_before).__name__}"
+        )
+    if not_before.tzinfo is None or not_before.utcoffset() is None:
+        raise ValidationError(
+            f"not_before must be timezone-aware (say datetime.now(UTC) + ...), got the naive "
+            f"{not_before.isoformat()}"
+        )
+    return int(not_before.timestamp() * 1000)
+
+
+def scheduled(args: CanonicalArgs, intent: Intent) -> CanonicalArgs:
+    """``args`` with the intent's validated priority and scheduled time."""
+    priority = check_priority(intent.priority)
+    not_before_ms = check_not_before(intent.not_before)
+    if priority == 0 and not_before_ms is None:
+        return args
+    return replace(args, priority=priority, not_before_ms=not_before_ms)
 
 
 def check_operation_id(operation_id: object) -> str:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -27,6 +28,7 @@ from outbox.canonical import (
     check_operation_id,
     check_ordering_key,
     check_tenant,
+    scheduled,
 )
 from outbox.clock import Clock, OffsetClock, SystemClock
 from outbox.config import DispatcherSettings, Endpoint
@@ -131,6 +133,8 @@ class Outbox(AsyncMethods, TransactionMethods):
         if existing is not None and existing != endpoint:
             raise ConfigurationError(f"endpoint {endpoint.name!r} is already registered")
         self._endpoints[endpoint.name] = endpoint
+        if endpoint.tenant_max_in_flight:  # kept by the claim (store.fairness)
+            self.store.tenant_caps[endpoint.name] = endpoint.tenant_max_in_flight
         return endpoint
 
     @property
@@ -162,8 +166,12 @@ class Outbox(AsyncMethods, TransactionMethods):
         tenant: str = "",
         ordering_key: str | None = None,
         connection: Any = None,
+        priority: int = 0,
+        not_before: datetime | None = None,
     ) -> Operation:
         """Record the intent to call ``endpoint``; it is sent later by a dispatcher.
+        ``priority`` (higher first, within the tenant) and ``not_before`` (an aware
+        datetime: a scheduled send) are scheduling, not compared arguments.
 
         With ``connection`` (a SQLAlchemy Connection or ORM Session) the operation is
         written in the caller's transaction and commits or rolls back with it; enqueue
@@ -181,7 +189,8 @@ class Outbox(AsyncMethods, TransactionMethods):
         transaction, a failed COMMIT is the caller's own ambiguity: re-running the whole
         transaction with the same operation ID is the safe recovery.
         """
-        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key)
+        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
+                        priority, not_before)  # fmt: skip
         if connection is not None:
             return self._enqueue_on(connection_of(connection), intent)
         checked = self._validate(intent)
@@ -322,7 +331,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             max_body_bytes=self.max_body_bytes,
             secret_headers=self.secret_headers,
         )
-        return op_id, tenant, ordering_key, args
+        return op_id, tenant, ordering_key, scheduled(args, intent)
 
     def _enqueue_on(self, conn: Connection, intent: Intent) -> Operation:
         return self._enqueue_checked(conn, self._validate(intent))
@@ -356,11 +365,13 @@ class Outbox(AsyncMethods, TransactionMethods):
             attempts_total=0,
             created_at_ms=now,
             updated_at_ms=now,
-            next_attempt_at_ms=now,
+            next_attempt_at_ms=max(now, args.not_before_ms or now),
             first_attempt_at_ms=None,
             window_started_at_ms=None,
             version=0,
             policy=self._endpoints[args.endpoint].policy_snapshot(),
+            priority=args.priority,
+            not_before_ms=args.not_before_ms,
         )
 
     def _row(

@@ -261,6 +261,9 @@ class Endpoint:
     probe_safe: bool = False
     #: How to ask the receiver whether an operation was applied (``outbox.wire.lookup``).
     status_lookup: StatusLookup | None = None
+    #: At most this many operations of one tenant in flight to this endpoint at once,
+    #: counted by every dispatcher of the database together; None: no such limit.
+    tenant_max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -291,6 +294,11 @@ class Endpoint:
             raise ConfigurationError(f"endpoint {self.name!r}: result_body_limit must be >= 0")
         if self.read_limit < 1:
             raise ConfigurationError(f"endpoint {self.name!r}: read_limit must be >= 1")
+        cap = self.tenant_max_in_flight
+        if cap is not None and (type(cap) is not int or cap < 1):
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: tenant_max_in_flight must be an int >= 1 or None"
+            )
         scope = self.tenant_scope
         if scope is not None:
             try:

@@ -272,6 +272,10 @@ class Operation:
     last_error: str | None = None
     #: The policy snapshot; None when unknown (enqueued before snapshots, never claimed).
     policy: PolicySnapshot | None = None
+    #: Claim order within its tenant, higher first (``enqueue(priority=...)``).
+    priority: int = 0
+    #: The scheduled send (epoch ms) it was enqueued with, or None.
+    not_before_ms: int | None = None
 
     @property
     def is_settled(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Connection, Engine
@@ -50,6 +51,8 @@ class Transaction:
         operation_id: str | None = None,
         tenant: str = "",
         ordering_key: str | None = None,
+        priority: int = 0,
+        not_before: datetime | None = None,
     ) -> Operation:
         """:meth:`Outbox.enqueue` in this transaction."""
         return self.outbox.enqueue(
@@ -61,6 +64,8 @@ class Transaction:
             operation_id=operation_id,
             tenant=tenant,
             ordering_key=ordering_key,
+            priority=priority,
+            not_before=not_before,
             connection=self.connection,
         )
 
@@ -88,6 +93,8 @@ class AsyncTransaction:
         operation_id: str | None = None,
         tenant: str = "",
         ordering_key: str | None = None,
+        priority: int = 0,
+        not_before: datetime | None = None,
     ) -> Operation:
         """:meth:`Outbox.enqueue_async` in this transaction."""
         return await self.outbox.enqueue_async(
@@ -99,6 +106,8 @@ class AsyncTransaction:
             operation_id=operation_id,
             tenant=tenant,
             ordering_key=ordering_key,
+            priority=priority,
+            not_before=not_before,
             connection=self.connection,
         )
 

@@ -186,6 +186,7 @@ def _render_watch(watch: Watch) -> None:
 def _render_report(report: OperationReport) -> None:
     from rich.table import Table
 
+    from outbox.model import ms_to_iso
     from outbox.reconcile import attempt_dict
 
     op = report.operation
@@ -199,6 +200,10 @@ def _render_report(report: OperationReport) -> None:
         out.print(f"last error: {op.last_error}", markup=False)
     if report.blocked_by:
         out.print(f"waiting for: {report.blocked_by} (same ordering key, not yet settled)")
+    if op.priority:
+        out.print(f"priority: {op.priority}")
+    if op.not_before_ms is not None:
+        out.print(f"not before: {ms_to_iso(op.not_before_ms)} (a scheduled send)")
     out.print(f"request: {op.method} {op.path}")
     if op.headers:
         out.print(f"headers: {json.dumps(op.headers, sort_keys=True)}")

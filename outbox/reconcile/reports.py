@@ -184,6 +184,8 @@ def operation_dict(op: Operation) -> dict[str, Any]:
         "state": op.state.value,
         "reason": op.reason.value if op.reason else None,
         "ordering_key": op.ordering_key,
+        "priority": op.priority,
+        "not_before": ms_to_iso(op.not_before_ms),
         "attempts_counted": op.attempts_counted,
         "attempts_total": op.attempts_total,
         "attempts_in_progress": op.attempts_in_progress,

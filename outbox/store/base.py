@@ -51,6 +51,10 @@ class Store(OperatorQueries, DispatchQueries):
             operations.c.id, operations.c.tenant, operations.c.operation_id, *wake
         )
         self._direct: DirectInsert | None = None
+        #: Per-tenant in-flight limits by endpoint (``Endpoint.tenant_max_in_flight``).
+        self.tenant_caps: dict[str, int] = {}
+        #: The tenant this store's last claim served last (``store.fairness``).
+        self.tenant_cursor = ""
 
     # -- transactions -------------------------------------------------------------
 

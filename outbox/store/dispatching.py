@@ -18,6 +18,7 @@ from sqlalchemy import Connection, bindparam, func, insert, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.model import Delivery, PolicySnapshot, State
+from outbox.store.fairness import caps_json, next_cursor
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -50,8 +51,16 @@ def claimed_from_row(r: Any) -> Claimed:
     )  # fmt: skip
 
 
+#: The length of a claimed row that carries its round and rotation place before "was"
+#: (PostgreSQL's claim): the 19 ``_CLAIMED_COLUMNS``, then rn, pos, was.
+_PLACED = 22
+
+
 class DispatchQueries:
     """The dispatcher's transactions; :class:`~outbox.store.base.Store` mixes them in."""
+
+    tenant_caps: dict[str, int]
+    tenant_cursor: str
 
     def write(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
@@ -208,14 +217,20 @@ class DispatchQueries:
     ) -> tuple[list[Claimed], list[Recovered]]:
         until = now_ms + lease_ms
         statement, has_was = self._claim_built
+        self._before_claim(conn)
+        cursor = self.tenant_cursor
         rows = conn.execute(
             statement,
             {"now_ms": now_ms, "limit": limit, "c_token": token, "c_owner": owner,
-             "c_until": until, "c_now": now_ms},
+             "c_until": until, "c_now": now_ms, "cursor": cursor,
+             "caps": caps_json(self.tenant_caps)},
         ).all()  # fmt: skip
         if not rows:
             return [], []
         claimed = [claimed_from_row(r) for r in rows]
+        # Where the rows carry their round and rotation place (PostgreSQL), by them.
+        places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= _PLACED else None
+        self.tenant_cursor = next_cursor([c.tenant for c in claimed], places, cursor)
         # Only a row taken over from an expired lease can have an open attempt. A
         # dialect whose claim cannot say what the row was (no "was" column) checks all.
         in_flight = State.IN_FLIGHT.value
@@ -225,6 +240,9 @@ class DispatchQueries:
             flagged = {r.pk for r in recovered}
             claimed = [replace(c, maybe_delivered=True) if c.pk in flagged else c for c in claimed]
         return claimed, recovered
+
+    def _before_claim(self, conn: Connection) -> None:
+        """A dialect's preparation of the claim's transaction (nothing by default)."""
 
     def _close_open_attempts(
         self, conn: Connection, pks: Sequence[int], now_ms: int

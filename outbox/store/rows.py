@@ -93,7 +93,9 @@ def operation_row(
         "attempts_total": 0,
         "maybe_delivered": False,
         "saw_refusal": False,
-        "next_attempt_at": now_ms,
+        "next_attempt_at": max(now_ms, args.not_before_ms or now_ms),
+        "priority": args.priority,
+        "not_before": args.not_before_ms,
         "version": 0,
         "created_at": now_ms,
         "updated_at": now_ms,
@@ -187,6 +189,8 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         attempts_in_progress=r.attempts_in_progress or 0,
         last_error=r.last_error,
         policy=policy_from_row(r),
+        priority=r.priority,
+        not_before_ms=r.not_before,
     )
 
 

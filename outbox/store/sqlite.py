@@ -32,6 +32,7 @@ from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, SqliteWatch, local_key
 from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
+from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.statements import CLAIM_VALUES, claim_limits, claimable_ids
 from outbox.store.tables import operations
 from outbox.store.writelock import held_by_caller
@@ -58,7 +59,7 @@ def claim_sql() -> str:
     return str(_HintingCompiler(SQLiteDialect(paramstyle="named"), select_ids))
 
 
-_DUE_SQL = claim_sql()
+_DUE_SQL = fair_claim_sql("sqlite")
 
 
 class SqliteStore(Store):
@@ -72,7 +73,8 @@ class SqliteStore(Store):
         # INDEXED BY: SQLite never gathers planner statistics on its own, and without them
         # it walks ix_outbox_operations_state_updated and sorts every due row: 2 s per
         # claim at a million due rows, against 5 ms through the partial due index.
-        sql = text(_DUE_SQL).bindparams(*claim_limits())
+        # The fair claim (store.fairness), its indexes named for the same reason.
+        sql = text(_DUE_SQL).bindparams(*claim_limits(), *fair_params())
         due = sql.columns(operations.c.id).scalar_subquery()
         return (
             update(operations)

@@ -95,6 +95,10 @@ operations = Table(
     Column("policy_in_progress_budget", Integer, nullable=True),
     # W3C trace context active when the operation was enqueued (tracing on only).
     Column("traceparent", String(55), nullable=True),
+    # Higher is claimed first within its tenant (claims stay fair across tenants).
+    Column("priority", Integer, nullable=False, server_default="0"),
+    # A scheduled send: not claimed before this time (epoch ms); NULL: as soon as due.
+    Column("not_before", BigInteger, nullable=True),
     UniqueConstraint("tenant", "operation_id"),
 )
 
@@ -111,6 +115,23 @@ _ordering = Index(
     operations.c.ordering_key,
     operations.c.id,
     sqlite_where=operations.c.ordering_key.is_not(None),
+)
+# The fair claim (store.fairness): each tenant's due rows in claim order, and the
+# tenants themselves, walked in order by a recursive skip scan.
+_fair = Index(
+    "ix_outbox_operations_fair",
+    operations.c.tenant,
+    operations.c.priority.desc(),
+    operations.c.next_attempt_at,
+    operations.c.id,
+    sqlite_where=operations.c.state.in_(state_values(DUE_STATES)),
+)
+# In-flight rows per (tenant, endpoint): the per-tenant in-flight limit counts them.
+_tenant_in_flight = Index(
+    "ix_outbox_operations_tenant_in_flight",
+    operations.c.tenant,
+    operations.c.endpoint,
+    sqlite_where=operations.c.state == "in_flight",
 )
 Index("ix_outbox_operations_state_updated", operations.c.state, operations.c.updated_at)
 
@@ -190,7 +211,7 @@ Index("ix_outbox_dispatchers_last_seen_at", dispatchers.c.last_seen_at)
 #: PostgreSQL, and here at import if the dialect is already loaded. The predicate has
 #: one source, so the two cannot drift (tests/integration/test_migrations.py compares
 #: the migrated schema with this metadata on both databases).
-PARTIAL_INDEXES = (_due, _ordering, _open)
+PARTIAL_INDEXES = (_due, _ordering, _open, _fair, _tenant_in_flight)
 
 
 def attach_postgresql_options() -> None:

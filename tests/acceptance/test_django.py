@@ -91,9 +91,9 @@ def inventory(tmp_path: Path) -> Iterator[Receiver]:
 def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Shop) -> None:
     shop.manage("migrate", "-v0")
     assert shop.query("SELECT version_num FROM outbox_alembic_version") == [(HEAD,)]
-    assert shop.query("SELECT app, name FROM django_migrations WHERE app = 'outbox'") == [
-        ("outbox", "0001_outbox_schema")
-    ]
+    assert shop.query(
+        "SELECT app, name FROM django_migrations WHERE app = 'outbox' ORDER BY name"
+    ) == [("outbox", "0001_outbox_schema"), ("outbox", "0002_claim_order")]
     out = shop.outbox("--db", shop.url, "migrate").stdout
     assert f"(was {HEAD})" in out
     if shop.url.startswith("sqlite"):
@@ -105,9 +105,9 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
     shop.manage("migrate", "-v0")
     assert shop.query("SELECT version_num FROM outbox_alembic_version") == [(HEAD,)]
     assert shop.operations() == []
-    assert shop.query("SELECT app, name FROM django_migrations WHERE app = 'outbox'") == [
-        ("outbox", "0001_outbox_schema")
-    ]
+    assert shop.query(
+        "SELECT app, name FROM django_migrations WHERE app = 'outbox' ORDER BY name"
+    ) == [("outbox", "0001_outbox_schema"), ("outbox", "0002_claim_order")]
 
 
 def test_model_and_operation_commit_together_or_not_at_all(shop: Shop) -> None:
@@ -160,6 +160,17 @@ def test_enqueue_outside_atomic_commits_at_once_like_save(shop: Shop) -> None:
     assert "autocommit done" in shop.manage("shop_scenario", "autocommit").stdout
     assert shop.orders() == [(20, "new")]
     assert shop.operations() == [("order-20-reserve", "pending")]
+
+
+def test_priority_and_not_before_on_djangos_connection(shop: Shop) -> None:
+    shop.manage("migrate", "-v0")
+    out = shop.manage("shop_scenario", "scheduled").stdout
+    assert "naive refused" in out and "scheduled done" in out
+    assert shop.orders() == [(40, "new")]
+    assert shop.operations() == [("order-40-reserve", "pending")]
+    row = shop.query("SELECT priority, not_before, next_attempt_at FROM outbox_operations")
+    at = 1925089445000  # 2031-01-02T03:04:05Z
+    assert [tuple(int(v) for v in r) for r in row] == [(5, at, at)]
 
 
 def test_a_conflict_inside_atomic_leaves_djangos_transaction_usable(shop: Shop) -> None:

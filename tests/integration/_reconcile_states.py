@@ -311,6 +311,8 @@ OPERATION_KEYS = {
     "state",
     "reason",
     "ordering_key",
+    "priority",
+    "not_before",
     "attempts_counted",
     "attempts_total",
     "attempts_in_progress",

@@ -168,6 +168,8 @@ def test_partial_index_predicates_match_the_metadata(engine: sa.Engine) -> None:
         "ix_outbox_operations_due",
         "ix_outbox_operations_ordering",
         "ix_outbox_attempts_open",
+        "ix_outbox_operations_fair",
+        "ix_outbox_operations_tenant_in_flight",
     }
 
 

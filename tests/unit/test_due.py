@@ -112,3 +112,16 @@ def test_the_operation_held_back_names_what_holds_it(engine: Any) -> None:
                 "k4-next": ["k4-flying"],
             }
             assert holding == expected.get(name, []), name
+
+
+def test_the_fair_claim_takes_exactly_the_claimable_rows(engine: Any) -> None:
+    """The fair claim (store.fairness) changes the order, never what is claimable."""
+    from outbox.store.fairness import fair_claim_sql
+
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(fair_claim_sql("sqlite")),
+            {"now_ms": NOW, "limit": 100, "cursor": "", "caps": "{}"},
+        )
+        taken = _names(conn, [r[0] for r in rows])
+    assert sorted(taken) == sorted(CLAIMABLE)

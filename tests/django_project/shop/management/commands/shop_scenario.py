@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 
-from outbox import OperationConflict
+from outbox import OperationConflict, ValidationError
 from outbox.contrib.django import get_outbox
 from shop.models import Order
 
@@ -18,10 +19,13 @@ class Command(BaseCommand):
     help = "autocommit: enqueue outside atomic(); conflict: a conflict inside atomic()."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("scenario", choices=["autocommit", "conflict"])
+        parser.add_argument("scenario", choices=["autocommit", "conflict", "scheduled"])
 
     def handle(self, *args: Any, **options: Any) -> None:
         ob = get_outbox()
+        if options["scenario"] == "scheduled":
+            self._scheduled(ob)
+            return
         if options["scenario"] == "autocommit":
             # No atomic(): like save(), each statement commits by itself.
             Order.objects.create(id=20, sku="TEST-BOLT", quantity=1)
@@ -44,3 +48,18 @@ class Command(BaseCommand):
                 raise CommandError("Django's connection was replaced or its atomic() ended")
             Order.objects.filter(pk=30).update(status="kept")
         self.stdout.write("conflict done")
+
+    def _scheduled(self, ob: Any) -> None:
+        # priority and not_before on Django's connection, inside atomic(); a naive
+        # datetime is refused before anything is written.
+        with transaction.atomic():
+            Order.objects.create(id=40, sku="TEST-BOLT", quantity=1)
+            at = datetime(2031, 1, 2, 3, 4, 5, tzinfo=UTC)
+            ob.enqueue(**RESERVE, json={"order_id": 40}, operation_id="order-40-reserve",
+                       priority=5, not_before=at)  # fmt: skip
+            try:
+                ob.enqueue(**RESERVE, json={"order_id": 41}, operation_id="order-41-reserve",
+                           not_before=datetime(2031, 1, 2))  # noqa: DTZ001  # fmt: skip
+            except ValidationError:
+                self.stdout.write("naive refused")
+        self.stdout.write("scheduled done")

@@ -1,0 +1,23 @@
+"""The outbox schema to revision 0004 (priority, not_before and the fair claim's
+indexes), through the outbox's own Alembic migrations, on Django's connection."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from django.db import migrations
+
+#: The outbox schema revision this Django migration brings the database to.
+OUTBOX_REVISION = "0004"
+
+
+def apply(apps: Any, schema_editor: Any) -> None:
+    from outbox.contrib.django.connection import migrate_schema
+
+    migrate_schema(schema_editor.connection.alias, OUTBOX_REVISION)
+
+
+class Migration(migrations.Migration):
+    atomic = False  # apply() opens its own atomic(), as 0001's does
+    dependencies: ClassVar[list[tuple[str, str]]] = [("outbox", "0001_outbox_schema")]
+    operations: ClassVar[list[Any]] = [migrations.RunPython(apply)]
