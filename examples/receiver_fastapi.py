@@ -15,7 +15,6 @@ lookup. ``GET /operations/{key}`` answers the outbox's default status lookup.
 its row, until the process is killed).
 """
 
-
 import argparse
 import json
 import os
@@ -72,7 +71,9 @@ def identity(
 
 def build_app(db_url: str, *, lease_seconds: float = 30.0) -> FastAPI:
     engine = outbox.create_engine(db_url)
-    receipts = Receipts(engine, retention=timedelta(hours=24), lease=timedelta(seconds=lease_seconds))
+    receipts = Receipts(
+        engine, retention=timedelta(hours=24), lease=timedelta(seconds=lease_seconds)
+    )
     receipts.migrate()
     app_metadata.create_all(engine)
     faults = os.environ.get("RECEIVER_EXAMPLE_FAULTS") == "1"
@@ -108,7 +109,9 @@ def main() -> None:
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", default=os.environ.get("RECEIVER_DATABASE_URL", "sqlite:///receiver.db"))
+    parser.add_argument(
+        "--db", default=os.environ.get("RECEIVER_DATABASE_URL", "sqlite:///receiver.db")
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--lease-seconds", type=float, default=30.0)

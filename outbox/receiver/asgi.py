@@ -20,7 +20,7 @@ or 403 itself, so the access check runs before the receipt lookup) returning an
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Annotated, Any
 
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
@@ -63,7 +63,9 @@ def receipt_connection(
     transaction will hold the effect and the receipt."""
     from fastapi import Depends
 
-    async def dependency(request: HttpRequest, who: Identity = Depends(identity)) -> Connection:
+    async def dependency(
+        request: HttpRequest, who: Annotated[Identity, Depends(identity)]
+    ) -> Connection:
         key = request.headers.get(receipts.key_header)
         bad = receipts.check_key(key, required=required)
         if bad is not None:
@@ -206,7 +208,7 @@ def status_router(
     router = APIRouter()
 
     @router.get(path, include_in_schema=False)
-    async def operation_status(key: str, who: Identity = Depends(identity)) -> Response:
+    async def operation_status(key: str, who: Annotated[Identity, Depends(identity)]) -> Response:
         reply = await run_in_threadpool(receipts.status, who.tenant, who.principal, key)
         return Response(reply.body, status_code=reply.status, headers=reply.headers)
 

@@ -33,7 +33,8 @@ from datetime import timedelta
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
-from outbox.receiver import answers, store
+import outbox.receiver.answers as answers  # noqa: PLR0402 (no package-import cycle)
+import outbox.receiver.store as store  # noqa: PLR0402
 from outbox.receiver.answers import Reply
 from outbox.receiver.store import Scope
 
@@ -142,7 +143,9 @@ class Receipts:
             for _ in range(3):  # a row released between our insert and read: try again
                 with self.engine.begin() as conn:
                     now = self._now_ms()
-                    if store.insert_claim(conn, scope, key, fp, token, now, lease_ms):
+                    if store.insert_claim(
+                        conn, scope, key, fp=fp, token=token, now_ms=now, lease_ms=lease_ms
+                    ):
                         return Claim(scope, key, token)
                     row = store.read_locked(conn, scope, key)
                     if row is None:
@@ -150,7 +153,16 @@ class Receipts:
                     answer = self._existing(row, fp, key, now)
                     if answer is not None:
                         return answer
-                    if store.take_over(conn, scope, key, row.token, fp, token, now, lease_ms):
+                    if store.take_over(
+                        conn,
+                        scope,
+                        key,
+                        old_token=row.token,
+                        fp=fp,
+                        token=token,
+                        now_ms=now,
+                        lease_ms=lease_ms,
+                    ):
                         return Claim(scope, key, token)
         except OperationalError as exc:
             if _is_busy(exc):

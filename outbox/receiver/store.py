@@ -68,7 +68,7 @@ def _row(r: Any) -> Row:
 
 
 def insert_claim(
-    conn: Connection, scope: Scope, key: str, fp: str, token: str, now_ms: int, lease_ms: int
+    conn: Connection, scope: Scope, key: str, *, fp: str, token: str, now_ms: int, lease_ms: int
 ) -> bool:
     """Claim a key nobody holds; False when a row exists (then :func:`read_locked`)."""
     values = {
@@ -84,8 +84,9 @@ def insert_claim(
         "created_ms": now_ms,
     }
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(t).values(**values).on_conflict_do_nothing()
-    return conn.execute(stmt).rowcount == 1
+    stmt = dialect.insert(t).values(**values).on_conflict_do_nothing().returning(t.c.token)
+    # RETURNING, not rowcount: psycopg reports no reliable rowcount for this statement.
+    return conn.execute(stmt).first() is not None
 
 
 def read_locked(conn: Connection, scope: Scope, key: str) -> Row | None:
@@ -102,6 +103,7 @@ def take_over(
     conn: Connection,
     scope: Scope,
     key: str,
+    *,
     old_token: str,
     fp: str,
     token: str,
@@ -158,7 +160,9 @@ def complete(
 
 def release(conn: Connection, scope: Scope, key: str, token: str) -> None:
     """Free a claim whose handler failed: the next request with the key runs afresh."""
-    conn.execute(delete(t).where(_where(scope, key), t.c.token == token, t.c.state == "in_progress"))
+    conn.execute(
+        delete(t).where(_where(scope, key), t.c.token == token, t.c.state == "in_progress")
+    )
 
 
 def lookup(conn: Connection, tenant: str, principal: str, key: str) -> Row | None:

@@ -40,9 +40,7 @@ def upgrade() -> None:
             "tenant", "principal", "method", "route", "key", name="pk_outbox_receipts"
         ),
     )
-    op.create_index(
-        "ix_outbox_receipts_lookup", "outbox_receipts", ["tenant", "principal", "key"]
-    )
+    op.create_index("ix_outbox_receipts_lookup", "outbox_receipts", ["tenant", "principal", "key"])
     op.create_index("ix_outbox_receipts_created_ms", "outbox_receipts", ["created_ms"])
 
 
