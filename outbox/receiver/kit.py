@@ -107,7 +107,7 @@ class Receipts:
 
         upgrade(self.engine)
 
-    def _now_ms(self) -> int:
+    def now_ms(self) -> int:
         return int(self._clock() * 1000)
 
     @property
@@ -142,7 +142,7 @@ class Receipts:
         try:
             for _ in range(3):  # a row released between our insert and read: try again
                 with self.engine.begin() as conn:
-                    now = self._now_ms()
+                    now = self.now_ms()
                     if store.insert_claim(
                         conn, scope, key, fp=fp, token=token, now_ms=now, lease_ms=lease_ms
                     ):
@@ -198,7 +198,7 @@ class Receipts:
         if reply.status >= 500 and not self.store_5xx:
             self.abort(claim, conn)
             return reply
-        now = self._now_ms()
+        now = self.now_ms()
         kept = store.complete(
             conn,
             claim.scope,
@@ -271,7 +271,7 @@ class Receipts:
         ``404 {"state": "unknown"}``."""
         with self.engine.connect() as conn:
             row = store.lookup(conn, tenant, principal, key)
-        now = self._now_ms()
+        now = self.now_ms()
         return self.declare(status_reply(row, now))
 
     def purge(
@@ -283,7 +283,7 @@ class Receipts:
     ) -> int:
         """Delete receipts expired longer than ``older_than`` ago (default: all expired
         ones) and claims abandoned as long; ``progress(total_so_far)`` after each batch."""
-        before = self._now_ms() - int((older_than or timedelta(0)).total_seconds() * 1000)
+        before = self.now_ms() - int((older_than or timedelta(0)).total_seconds() * 1000)
         total = 0
         for n in store.purge_batches(self.engine, before, batch):
             total += n
