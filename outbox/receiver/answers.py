@@ -17,13 +17,10 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 from outbox.canonical import canonical_json_text
+from outbox.classify import RETENTION_HEADER
 
 #: The replay marker of the IETF Idempotency-Key draft.
 REPLAYED_HEADER = "Idempotent-Replayed"
-#: The key's lifetime, declared on every answer of a receipted route: delta-seconds,
-#: as ``Retry-After`` (``Idempotency-Key-Retention: 86400`` = kept 24 hours after the
-#: first request completed).
-RETENTION_HEADER = "Idempotency-Key-Retention"
 PROBLEM_TYPE = "https://outbox.dev/problems/"
 #: Keys the kit accepts: what the outbox sends (operation IDs, ``tenant/operation``).
 _KEY = re.compile(r"[A-Za-z0-9._:/\-]{1,255}")

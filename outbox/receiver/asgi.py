@@ -17,7 +17,8 @@ or 403 itself, so the access check runs before the receipt lookup) returning an
 :class:`Identity`. The middleware must wrap every route that uses the dependency.
 """
 
-from __future__ import annotations
+# No "from __future__ import annotations": FastAPI must evaluate the dependencies'
+# annotations, which name the closure variable ``identity``.
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Annotated, Any
