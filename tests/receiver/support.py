@@ -97,6 +97,11 @@ class Service:
             rows = conn.execute(text("SELECT state FROM outbox_receipts")).all()
         return [r[0] for r in rows]
 
+    def lease_until_ms(self, key: str) -> int:
+        with self.engine.connect() as conn:
+            sql = text("SELECT lease_until_ms FROM outbox_receipts WHERE key = :k")
+            return int(conn.execute(sql, {"k": key}).scalar_one())
+
     def post(self, key: str | None, body: object, **headers: str) -> httpx.Response:
         h = dict(HEADERS)
         if key is not None:
