@@ -79,6 +79,7 @@ def build_app(db_url: str, *, lease_seconds: float = 30.0) -> FastAPI:
     faults = os.environ.get("RECEIVER_EXAMPLE_FAULTS") == "1"
 
     app = FastAPI()
+    app.state.receipts = receipts
     app.add_middleware(ReceiptsMiddleware, receipts=receipts)
     app.include_router(status_router(receipts, identity))
     receipted = receipt_connection(receipts, identity)
