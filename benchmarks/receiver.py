@@ -100,7 +100,7 @@ def _pg_schema_url() -> tuple[str, str] | None:
         with admin.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
         admin.dispose()
-    except Exception as exc:  # noqa: BLE001 (reported, the row skipped)
+    except Exception as exc:
         print(f"postgresql skipped: {exc!r}", file=sys.stderr)
         return None
     url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
