@@ -172,3 +172,54 @@ def test_fingerprint_covers_the_validated_request() -> None:
     assert fingerprint("POST", "/r", None, b"", "q=1") != fingerprint(
         "POST", "/r", None, b"", "q=2"
     )
+
+
+def test_migrations_match_the_table_source(kit: Receipts, engine: Engine) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from outbox.receiver.tables import metadata
+
+    with engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn, opts={"version_table": VERSION_TABLE, "compare_type": True}
+        )
+        diff = compare_metadata(context, metadata)
+    ours = [d for d in diff if not (d[0] == "remove_table" and d[1].name != "outbox_receipts")]
+    assert ours == []
+
+
+def test_the_wheel_ships_the_receipts_migrations(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import zipfile
+
+    pytest.importorskip("hatchling")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from hatchling.builders.wheel import WheelBuilder; "
+         "print(WheelBuilder(sys.argv[1]).build_standard(sys.argv[2]))", str(root), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    wheel = Path(done.stdout.strip().splitlines()[-1])
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "outbox/receiver/migrations/env.py" in names
+    assert "outbox/receiver/migrations/versions/r0001_receipts.py" in names
+
+
+def test_the_wheel_layout_is_declared_and_found() -> None:
+    """Without a wheel builder here: pyproject force-includes the directory where the
+    installed kit looks for it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    wheel = config["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
+    assert wheel["receiver_migrations"] == "outbox/receiver/migrations"
+    from outbox.receiver import migrate
+
+    installed = Path(migrate.__file__).resolve().parent / "migrations"
+    assert installed.relative_to(root) == Path("outbox/receiver/migrations")
+    assert migrate.migrations_dir() == root / "receiver_migrations"  # the checkout's
