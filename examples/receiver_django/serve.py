@@ -73,9 +73,20 @@ def configure(db_url: str, lease_seconds: float) -> Any:
         USE_TZ=True,
     )
     django.setup()
+    from sqlalchemy import Column, Integer, MetaData, String, Table
+
     import outbox
-    from examples.receiver_fastapi import app_metadata
     from outbox.receiver import Receipts
+
+    app_metadata = MetaData()
+    Table(
+        "reservations",
+        app_metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("tenant", String(255), nullable=False),
+        Column("sku", String(64), nullable=False),
+        Column("quantity", Integer, nullable=False),
+    )
 
     engine = outbox.create_engine(db_url)
     receipts = Receipts(
