@@ -223,3 +223,36 @@ def test_the_wheel_layout_is_declared_and_found() -> None:
     installed = Path(migrate.__file__).resolve().parent / "migrations"
     assert installed.relative_to(root) == Path("outbox/receiver/migrations")
     assert migrate.migrations_dir() == root / "receiver_migrations"  # the checkout's
+
+
+def test_receipt_lookup_comes_before_the_version_check(kit: Receipts, engine: Engine) -> None:
+    """Seed 000: a retry of an edit that committed is recognised from its receipt,
+    though the version it carries is stale now; a new edit with that version is refused."""
+    settings = Table("kit_settings", effects_md, Column("id", Integer, primary_key=True),
+                     Column("interval", Integer), Column("version", Integer),
+                     extend_existing=True)  # fmt: skip
+    settings.create(engine, checkfirst=True)
+    with engine.begin() as conn:
+        conn.execute(settings.insert().values(id=1, interval=15, version=1))
+    edit = Request("PATCH", "/settings/1", b'{"expected_version":1,"interval":30}',
+                   "application/json")  # fmt: skip
+
+    def set_interval(conn: Connection) -> Reply:
+        row = conn.execute(
+            settings.update().where(settings.c.id == 1, settings.c.version == 1)
+            .values(interval=30, version=settings.c.version + 1)
+            .returning(settings.c.version)
+        ).first()  # fmt: skip
+        if row is None:
+            return Reply(412, {"content-type": "application/json"}, b'{"error":"stale_version"}')
+        return Reply(200, {"content-type": "application/json"}, b'{"version":%d}' % row[0])
+
+    scope = Scope("acme", "orders-app", "PATCH", "/settings/{id}")
+    first = kit.handle(scope, "edit-42", edit, set_interval)
+    assert (first.status, first.body) == (200, b'{"version":2}')
+    retry = kit.handle(scope, "edit-42", edit, set_interval)
+    assert (retry.status, retry.body, retry.replayed) == (200, b'{"version":2}', True)
+    other = kit.handle(scope, "edit-43", edit, set_interval)
+    assert other.status == 412 and not other.replayed
+    with engine.connect() as conn:
+        assert conn.execute(select(settings.c.interval, settings.c.version)).all() == [(30, 2)]
