@@ -24,11 +24,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Annotated, Any
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 
+import outbox.receiver.answers as answers  # noqa: PLR0402
 from outbox.receiver.answers import Reply
-from outbox.receiver.kit import Claim, Identity, Receipts, Request
+from outbox.receiver.kit import Claim, Identity, Receipts, Request, is_busy
 from outbox.receiver.store import Scope
 
 Message = MutableMapping[str, Any]
@@ -88,9 +90,11 @@ def receipt_connection(
             claim = got
         try:
             conn = await run_in_threadpool(_open, receipts)
-        except BaseException:
+        except BaseException as exc:
             if claim is not None:
                 await run_in_threadpool(receipts.abort, claim, None)
+            if isinstance(exc, OperationalError) and is_busy(exc):
+                raise ReceiptAnswer(answers.busy()) from exc  # refused before any work
             raise
         request.state.outbox_receipt = (claim, conn)
         return conn

@@ -28,8 +28,8 @@ from typing import Any
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 
-from outbox.receiver.answers import Reply, stored_headers
-from outbox.receiver.kit import Claim, Identity, Receipts, Request
+from outbox.receiver.answers import Reply, busy, stored_headers
+from outbox.receiver.kit import Claim, Identity, Receipts, Request, is_busy
 from outbox.receiver.store import Scope
 
 View = Callable[..., HttpResponse]
@@ -139,8 +139,10 @@ def _run(
     except _Undo as undo:
         receipts.abort(claim)
         return to_django(receipts.declare(undo.reply, request_id))
-    except BaseException:
+    except BaseException as exc:
         receipts.abort(claim)
+        if is_busy(exc):  # SQLite's lock wait outlasted the busy timeout: nothing was done
+            return to_django(receipts.declare(busy(), request_id))
         raise
     return to_django(receipts.declare(reply, request_id))
 

@@ -22,11 +22,11 @@ runs the handler again. ``store_5xx=True`` keeps and replays it instead.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -165,7 +165,7 @@ class Receipts:
                     ):
                         return Claim(scope, key, token)
         except OperationalError as exc:
-            if _is_busy(exc):
+            if is_busy(exc):
                 return answers.busy()
             raise
         return answers.busy()
@@ -182,16 +182,18 @@ class Receipts:
             return answers.in_progress(max(1, math.ceil((row.lease_until_ms - now) / 1000)))
         return None  # the holder's lease ran out: it crashed, nothing of it committed
 
-    @contextmanager
-    def transaction(self, claim: Claim) -> Iterator[Connection]:
-        """Step 2's connection, in a begun transaction; the caller ends it through
-        :meth:`finish` or :meth:`abort`."""
+    def transaction(self, claim: Claim) -> Connection:
+        """Step 2's connection, its transaction begun (on SQLite: ``BEGIN IMMEDIATE``,
+        so a lock wait fails here, before the handler, as a busy answer); end it through
+        :meth:`finish` or :meth:`abort`, then close it."""
+        del claim
         conn = self.engine.connect()
         try:
             conn.begin()
-            yield conn
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        return conn
 
     def finish(self, claim: Claim, conn: Connection, reply: Reply) -> Reply:
         """Step 3: store ``reply`` on the claim and commit it with the effect."""
@@ -253,7 +255,14 @@ class Receipts:
         got = self.claim(scope, key, request)
         if isinstance(got, Reply):
             return self.declare(got, request_id)
-        with self.transaction(got) as conn:
+        try:
+            conn = self.transaction(got)
+        except OperationalError as exc:
+            self.abort(got)
+            if is_busy(exc):
+                return self.declare(answers.busy(), request_id)
+            raise
+        with contextlib.closing(conn):
             try:
                 reply = handler(conn)
             except BaseException:
@@ -314,9 +323,10 @@ def status_reply(row: store.Row | None, now_ms: int) -> Reply:
     return reply
 
 
-def _is_busy(exc: OperationalError) -> bool:
-    text = str(exc.orig).lower()
+def is_busy(exc: BaseException) -> bool:
+    """A SQLite lock wait that ran past the busy timeout (any driver's wrapper)."""
+    text = str(getattr(exc, "orig", None) or exc).lower()
     return "database is locked" in text or "database is busy" in text
 
 
-__all__ = ["Claim", "Handler", "Identity", "Receipts", "Request", "status_reply"]
+__all__ = ["Claim", "Handler", "Identity", "Receipts", "Request", "is_busy", "status_reply"]

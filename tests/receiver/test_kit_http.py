@@ -122,9 +122,11 @@ def test_64_concurrent_duplicates_one_effect(service: Service) -> None:
         t.join(60)
     statuses = sorted(r.status_code for r in answers)
     assert len(answers) == 64
-    assert set(statuses) <= {201, 409}, statuses
+    # 409: the first still runs; 503: SQLite's lock wait outlasted its busy timeout on a
+    # loaded machine (refused before any work). Never a 500; both say when to retry.
+    assert set(statuses) <= {201, 409, 503}, statuses
     assert statuses.count(201) >= 1
-    assert all("retry-after" in r.headers for r in answers if r.status_code == 409)
+    assert all("retry-after" in r.headers for r in answers if r.status_code != 201)
     assert len({r.content for r in answers if r.status_code == 201}) == 1
     assert service.effects() == 1
 
