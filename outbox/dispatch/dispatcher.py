@@ -202,20 +202,17 @@ class Dispatcher:
         except BaseException:
             self._db.shutdown()
             raise
-        watchdog = asyncio.create_task(self._db.watch(stop, self.settings.stop_timeout_seconds))
+        watchdog = asyncio.create_task(
+            self._db.watch(stop, self.settings.stop_timeout_seconds)
+        )
         writer = asyncio.create_task(self._write_outcomes())
         if failpoints.armed():
-            self._log.warning(
-                "failpoints_armed",
-                points=failpoints.armed(),
-                detail="fault injection is on: this process may kill itself",
-            )
+            self._log.warning("failpoints_armed", points=failpoints.armed(),
+                              detail="fault injection is on: this process may kill itself")
         elif failpoints.ignored_spec():
-            self._log.warning(
-                "failpoints_ignored",
-                detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
-                "is not; no failpoint is armed",
-            )
+            self._log.warning("failpoints_ignored",
+                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
+                              "is not; no failpoint is armed")
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
         # The writer claims with its outcome writes only while the loop runs on.
@@ -252,12 +249,8 @@ class Dispatcher:
                     # Locked, read-only or unreachable: nothing was claimed (or the claim's
                     # lease will simply expire). Back off and try again; never crash.
                     backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
-                    self._log.warning(
-                        "store_unavailable",
-                        error=type(exc).__name__,
-                        detail=str(exc)[:300],
-                        retry_in_seconds=backoff,
-                    )
+                    self._log.warning("store_unavailable", error=type(exc).__name__,
+                                      detail=str(exc)[:300], retry_in_seconds=backoff)
                     if once:
                         raise
                     await wait_any(stop, timeout=backoff)
@@ -330,12 +323,8 @@ class Dispatcher:
                 "lease_ms": int(self.lease_seconds * 1000),
                 "limit": limit,
                 "plan": lambda claimed: plan_claimed(
-                    claimed,
-                    endpoints=self.endpoints,
-                    dispatcher_id=self.dispatcher_id,
-                    token=token,
-                    now=now,
-                    refused=refused,
+                    claimed, endpoints=self.endpoints, dispatcher_id=self.dispatcher_id,
+                    token=token, now=now, refused=refused,
                 ),
             },
             token=token,
@@ -381,7 +370,9 @@ class Dispatcher:
         by_pk = {c.pk: c for c in claimed}
         for s in result.plan.settlements:
             if s.pk in result.settled:
-                self._observe.settled(s.pk, s.state, s.reason, now, not_sent=s.not_sent is not None)
+                self._observe.settled(
+                    s.pk, s.state, s.reason, now, not_sent=s.not_sent is not None
+                )
                 self.summary.count("operation_unresolved", s.reason)
                 self._log.warning(
                     "operation_unresolved",
@@ -581,11 +572,8 @@ class Dispatcher:
             except Exception as exc:
                 # Nothing of it was written (or, after a lost COMMIT, the claim's leases
                 # expire unused): write the outcomes alone. Not the database's: a bug.
-                log = (
-                    self._log.warning
-                    if isinstance(exc, StoreError | DBAPIError)
+                log = self._log.warning if isinstance(exc, StoreError | DBAPIError) \
                     else self._log.exception
-                )
                 log("outcome_claim_failed", error=type(exc).__name__, detail=error_detail(exc))
             self._reserve(-limit)
         return await self._write_outcomes_alone(batch), None
@@ -612,3 +600,4 @@ class Dispatcher:
             self.summary.count(name, out.reason)
             getattr(self._log.bind(request_id=out.request_id, **names), level)(name, **fields)
         return names
+

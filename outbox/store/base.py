@@ -115,7 +115,9 @@ class Store(OperatorQueries, DispatchQueries):
             inserted = conn.execute(self._insert_one, values).first()
             if inserted is not None:
                 note_marker(conn, inserted)
-                return InsertResult(pk=inserted.id, created=True, args_sha256=values["args_sha256"])
+                return InsertResult(
+                    pk=inserted.id, created=True, args_sha256=values["args_sha256"]
+                )
             row = conn.execute(
                 select(operations.c.id, operations.c.args_sha256).where(
                     operations.c.tenant == tenant, operations.c.operation_id == operation_id

@@ -67,7 +67,9 @@ class DirectInsert:
             if k not in columns
         }  # fmt: skip
         self._positions = tuple(compiled.positiontup) if compiled.positiontup else None
-        processors = {name: operations.c[name].type.bind_processor(dialect) for name in columns}
+        processors = {
+            name: operations.c[name].type.bind_processor(dialect) for name in columns
+        }
         self._processors: dict[str, Callable[[Any], Any]] = {
             name: p for name, p in processors.items() if p is not None
         }

@@ -49,7 +49,7 @@ def _char_pattern(c: str) -> bytes:
         hex4 = f"{code:04x}"
         forms.append(b"\\\\u" + b"".join(b"[%s%s]" % (h.encode(), h.upper().encode())
                                          if h.isalpha() else h.encode() for h in hex4))  # fmt: skip
-    if c in '/"\\':
+    if c in "/\"\\":
         forms.append(re.escape(b"\\" + c.encode()))
     return b"(?:" + b"|".join(forms) + b")"
 

@@ -36,7 +36,9 @@ class _Prepared:
     urls: dict[str, tuple[httpx.URL, tuple[str, str] | None]] = field(default_factory=dict)
 
 
-_prepared: weakref.WeakKeyDictionary[httpx.AsyncClient, _Prepared] = weakref.WeakKeyDictionary()
+_prepared: weakref.WeakKeyDictionary[httpx.AsyncClient, _Prepared] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _for(client: httpx.AsyncClient) -> _Prepared:
@@ -78,10 +80,7 @@ def build_request(
         merged[key] = (name, value)
     if not _plain(merged.values()) or not (content is None or type(content) is bytes):
         return httpx.Request(
-            method,
-            url,
-            headers=list(merged.values()),
-            content=content,
+            method, url, headers=list(merged.values()), content=content,
             extensions=prep.extensions,
         )
     # What Request(content=...) adds, computed here rather than by httpx.Headers scans:
