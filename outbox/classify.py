@@ -34,6 +34,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -82,6 +83,21 @@ _NESTED = ("code", "type", "message", "detail", "title")
 _SEPARATORS = re.compile(r"[\s_\-]+")
 #: Bytes of a non-JSON body searched for markers.
 _TEXT_LIMIT = 2048
+
+
+#: The header a receiver declares its key retention in, as delta-seconds
+#: (``Idempotency-Key-Retention: 86400``: a key is kept 24 hours). ``outbox.receiver``
+#: sends it on every answer; ``check-receiver`` compares it with the endpoint's
+#: ``key_retention``.
+RETENTION_HEADER = "Idempotency-Key-Retention"
+
+
+def declared_retention(headers: httpx.Headers | None) -> timedelta | None:
+    """The key retention a response declares (:data:`RETENTION_HEADER`), or None."""
+    value = headers.get(RETENTION_HEADER) if headers is not None else None
+    if value is None or not value.strip().isdigit():
+        return None
+    return timedelta(seconds=int(value.strip()))
 
 
 def parse_retry_after(value: str | None, now_ms: int) -> float | None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.checker.probes import BODY_EVIDENCE_CHARS, Observed, lookup_evidence, reading
 from outbox.checker.report import CheckVerdict
+from outbox.classify import RETENTION_HEADER, declared_retention
 from outbox.model import LookupStatus, Verdict
 
 if TYPE_CHECKING:
@@ -374,6 +375,19 @@ def key_retained(o: Observed, endpoint: Endpoint) -> CheckVerdict:
     }
     if not first.ok:
         return CheckVerdict(name, None, _NOT_ACCEPTED.format(status=first.describe()), evidence)
+    declared = declared_retention(first.headers)
+    if declared is not None:
+        evidence["declared_retention_seconds"] = int(declared.total_seconds())
+        if declared < endpoint.key_retention:
+            return CheckVerdict(
+                name,
+                False,
+                f"the receiver declares ({RETENTION_HEADER}) that it keeps keys "
+                f"{_duration(declared.total_seconds())}, less than the endpoint's "
+                f"key_retention of {_duration(endpoint.key_retention.total_seconds())}: "
+                "retries late in the window would be new operations",
+                evidence,
+            )
     if o.replayed(again) and again.result != first.result:
         return CheckVerdict(
             name,

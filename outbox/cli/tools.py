@@ -25,11 +25,24 @@ from outbox.cli.root import _emit_json, json_option, main, out
     default=None,
     help="Keep the demo's files here (default: a temporary directory, removed).",
 )
-def demo(obj: Context, directory: str | None) -> None:
+@click.option(
+    "--receiver",
+    "receiver_kind",
+    type=click.Choice(["test", "kit"]),
+    default="test",
+    show_default=True,
+    help="test: the fault-injecting test receiver; kit: a service on outbox.receiver.",
+)
+def demo(obj: Context, directory: str | None, receiver_kind: str) -> None:
     """A guided run against a local receiver: lost responses, replays, reconciliation."""
+    del obj
+    if receiver_kind == "kit":
+        from outbox.cli.demo_kit import run_kit_demo
+
+        run_kit_demo(directory, out)
+        return
     from outbox.cli.demo import run_demo
 
-    del obj
     run_demo(directory, out)
 
 

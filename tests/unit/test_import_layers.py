@@ -46,6 +46,7 @@ FOLDERS: list[tuple[str, str]] = [
     ("dispatch", "the dispatcher loop and everything it runs"),
     ("checker", "check-receiver: what a receiver does with a key"),
     ("testing", "the test receiver and the pytest plugin"),
+    ("receiver", "the receiver kit: receipts beside the effect, for teams owning both sides"),
     ("console", "the web console"),
     ("contrib", "framework integrations (Django)"),
     ("cli", "the operator's commands"),
