@@ -15,11 +15,12 @@ from outbox.cli.support import (
     Context,
     command,
 )
+from outbox.durations import format_duration
 from outbox.model import State
 
 if TYPE_CHECKING:
     from outbox.reconcile import OperationReport
-    from outbox.reconcile.status import Watch
+    from outbox.reconcile.status import Figures, Watch
 from outbox.cli.root import _emit_json, _filter_words, _reconciler, json_option, main, out
 
 # -- schema ---------------------------------------------------------------------------
@@ -126,13 +127,25 @@ def status(
             + (f" ({reasons})" if reasons else "")
         )
         out.print(f"attempts in the last hour: {report.attempts_last_hour}")
-        out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
+        out.print(key_expiry_line(report.figures))
         if report.watch is not None:
             _render_watch(report.watch)
         for problem in report.problems:
             out.print(f"PROBLEM: {problem}")
     if check and report.problems:
         sys.exit(EXIT_REFUSED)
+
+
+def key_expiry_line(fig: Figures) -> str:
+    """The key-expiry figures in words (the console's overview says the same)."""
+    window = format_duration(fig.near_key_expiry_window)
+    line = (
+        f"keys near expiry (within {window}): {fig.near_key_expiry}; "
+        f"keys already expired: {fig.key_expired}"
+    )
+    if fig.key_retention_unknown:
+        line += f"; key retention unknown: {fig.key_retention_unknown}"
+    return line
 
 
 def _render_watch(watch: Watch) -> None:

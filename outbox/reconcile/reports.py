@@ -16,7 +16,7 @@ from outbox.model import (
     Verdict,
     ms_to_iso,
 )
-from outbox.reconcile.status import Watch
+from outbox.reconcile.status import Figures, Watch
 from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:
@@ -232,24 +232,49 @@ def audit_dict(r: AuditRecord) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StatusReport:
-    counts: dict[str, int]
-    oldest_pending_age_seconds: float | None
-    unresolved_by_reason: dict[str, int]
-    attempts_last_hour: int
-    keys_near_expiry: int
+    """``outbox status``: the operator figures (:class:`~outbox.reconcile.status.Figures`,
+    the one computation every view renders), the dispatchers and the problems found."""
+
+    figures: Figures
     problems: list[str] = field(default_factory=list)
-    #: Dispatchers, per-endpoint backlog, last hour's attempts by outcome.
+    #: Dispatchers, and the same figures.
     watch: Watch | None = None
+
+    @property
+    def counts(self) -> dict[str, int | None]:
+        return self.figures.counts
+
+    @property
+    def oldest_pending_age_seconds(self) -> float | None:
+        return self.figures.oldest_pending_age_seconds
+
+    @property
+    def unresolved_by_reason(self) -> dict[str, int]:
+        return self.figures.unresolved_by_reason
+
+    @property
+    def attempts_last_hour(self) -> int:
+        return self.figures.attempts_last_hour
+
+    @property
+    def keys_near_expiry(self) -> int:
+        return self.figures.near_key_expiry
+
+    @property
+    def keys_expired(self) -> int:
+        return self.figures.key_expired
 
     def as_dict(self) -> dict[str, Any]:
         return {
             **(self.watch.as_dict() if self.watch is not None else {}),
             "counts": self.counts,
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
-            "reconciliation_backlog": sum(self.unresolved_by_reason.values()),
+            "reconciliation_backlog": self.figures.reconciliation_queue,
             "unresolved_by_reason": self.unresolved_by_reason,
             "attempts_last_hour": self.attempts_last_hour,
             "keys_near_expiry": self.keys_near_expiry,
+            "keys_expired": self.keys_expired,
+            "figures": self.figures.as_dict(),
             "problems": self.problems,
             "ok": not self.problems,
         }

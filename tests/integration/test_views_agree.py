@@ -1,0 +1,241 @@
+"""One database, four views, one set of numbers (issue 29).
+
+The database holds known rows (written here as SQL, at times relative to now): pending
+operations (due, not yet due, one unsendable), unresolved ones of two reasons, some whose
+key the receiver forgets within the hour, some whose key it has already forgotten, some
+far from expiry, and settled history. No application is named (no ``--app``): every
+figure comes from the policy snapshot stored with each row. Then:
+
+* ``outbox status --json`` runs as a subprocess;
+* ``outbox status --check`` runs as a subprocess (its PROBLEM lines carry the figures);
+* the console's overview is fetched through Starlette's test client;
+* ``/metrics`` is rendered by prometheus_client from :class:`OutboxMetrics`.
+
+Each is parsed, and all four must say what the rows say, on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import insert
+from starlette.testclient import TestClient
+
+from outbox import Outbox
+from outbox.console import Credentials, create_app
+from outbox.store.migrate import upgrade
+from outbox.store.tables import operations
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "alice-" + "a" * 20
+HOUR = 3_600_000
+DAY = 24 * HOUR
+
+#: What the rows below make every view say.
+EXPECTED = {
+    "pending": 5,
+    "in_flight": 0,
+    "unresolved": 6,
+    "succeeded": 7,
+    "failed": 2,
+    "cancelled": 1,
+    "near": 3,  # two unresolved + one pending, key expires within the hour
+    "expired": 2,  # two unresolved whose key is already forgotten: past, not near
+    "due": 4,
+    "unsendable": 1,
+    "by_reason": {"attempts_exhausted": 4, "outcome_unknown": 2},
+}
+
+
+def _row(oid: str, state: str, now: int, **kw: Any) -> dict[str, Any]:
+    row = {
+        "tenant": "",
+        "operation_id": oid,
+        "endpoint": "payments",
+        "method": "POST",
+        "path": "/pay",
+        "headers": "{}",
+        "args_sha256": "x",
+        "state": state,
+        "created_at": now - 10 * HOUR,
+        "updated_at": now - 5 * HOUR,
+        "policy_key_retention_ms": DAY,
+        "next_attempt_at": None,
+        "first_attempt_at": None,
+        "finished_at": None,
+        "reason": None,
+        "last_error": None,
+    }
+    row.update(kw)
+    return row
+
+
+def build(url: str) -> None:
+    from outbox.store.engine import create_engine
+
+    engine = create_engine(url)
+    upgrade(engine)
+    now = int(time.time() * 1000)
+    soon = now - DAY + 30 * 60_000  # key expires in 30 minutes
+    gone = now - DAY - 2 * HOUR  # key expired two hours ago
+    far = now - 2 * HOUR  # key expires in 22 hours
+    rows = [
+        _row("p-due-1", "pending", now, next_attempt_at=now - 60_000),
+        _row("p-due-2", "pending", now, next_attempt_at=now - 1000, first_attempt_at=far),
+        _row("p-due-3", "pending", now, next_attempt_at=now - 1000, first_attempt_at=soon),
+        _row("p-dark", "pending", now, next_attempt_at=now - 1000, last_error="no endpoint"),
+        _row("p-later", "pending", now, next_attempt_at=now + HOUR),
+        _row("u-soon-1", "unresolved", now, reason="attempts_exhausted", first_attempt_at=soon),
+        _row("u-soon-2", "unresolved", now, reason="outcome_unknown", first_attempt_at=soon),
+        _row("u-gone-1", "unresolved", now, reason="attempts_exhausted", first_attempt_at=gone),
+        _row("u-gone-2", "unresolved", now, reason="outcome_unknown", first_attempt_at=gone),
+        _row("u-far", "unresolved", now, reason="attempts_exhausted", first_attempt_at=far),
+        _row("u-none", "unresolved", now, reason="attempts_exhausted"),
+    ]
+    for i in range(7):
+        rows.append(_row(f"s-{i}", "succeeded", now, first_attempt_at=gone, finished_at=now))
+    for i in range(2):
+        rows.append(_row(f"f-{i}", "failed", now, first_attempt_at=soon, finished_at=now))
+    rows.append(_row("c-0", "cancelled", now, first_attempt_at=soon, finished_at=now))
+    with engine.begin() as conn:
+        conn.execute(insert(operations), rows)
+    engine.dispose()
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUTBOX_DB": url}
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", "status", *args],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def cli_json(url: str) -> dict[str, Any]:
+    import json
+
+    done = _cli(url, "--json")
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    f = d["figures"]
+    return {
+        **{s: d["counts"][s] for s in ("pending", "in_flight", "unresolved")},
+        **{s: d["counts"][s] for s in ("succeeded", "failed", "cancelled")},
+        "near": f["keys_near_expiry"],
+        "expired": f["keys_expired"],
+        "due": f["due"],
+        "unsendable": f["unsendable"],
+        "by_reason": {k: v for k, v in f["unresolved_by_reason"].items() if v},
+    }
+
+
+def cli_check(url: str) -> dict[str, Any]:
+    done = _cli(url, "--check", "--max-unresolved", "0", "--max-near-expiry", "0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = done.stdout
+    found = {
+        "unresolved": r"PROBLEM: (\d+) unresolved operations",
+        "near": r"PROBLEM: (\d+) live operations within 1h of key expiry",
+        "expired": r"keys already expired: (\d+)",
+        "unsendable": r"PROBLEM: (\d+) pending operations cannot be sent",
+    }
+    out = {}
+    for name, pattern in found.items():
+        match = re.search(pattern, text)
+        assert match, f"{pattern!r} not in:\n{text}"
+        out[name] = int(match.group(1))
+    return out
+
+
+def console(url: str) -> dict[str, Any]:
+    creds = Credentials.parse(f"alice:{TOKEN}\n", default_name="nobody", source="test")
+    with Outbox(url) as ob:
+        c = TestClient(create_app(ob, creds), base_url="http://127.0.0.1")
+        r = c.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        assert r.status_code == 303
+        page = c.get("/").text
+    out: dict[str, Any] = {}
+    for state in EXPECTED:
+        match = re.search(rf'<span class="n">(\d+)</span><span class="label">{state}</span>', page)
+        if match:
+            out[state] = int(match.group(1))
+    for name, key in (("near", "keys_near_expiry"), ("expired", "keys_expired")):
+        match = re.search(rf'data-figure="{key}">(\d+)<', page)
+        assert match, key
+        out[name] = int(match.group(1))
+    row = re.search(
+        r"<tr><td>payments</td><td class=\"num\">(\d+)</td>.*?<td class=\"num\">(\d+)</td>"
+        r"<td class=\"num\">(\d+)</td><td class=\"num\">(\d+)</td></tr>",
+        page,
+        re.S,
+    )
+    assert row, page
+    out["due"], out["unsendable"] = int(row.group(1)), int(row.group(4))
+    out["by_reason"] = {
+        reason: int(n)
+        for reason, n in re.findall(
+            r'<a href="/queue\?reason=(\w+)">\w+</a></td><td class="num">(\d+)</td>', page
+        )
+        if int(n)
+    }
+    return out
+
+
+def metrics(url: str) -> dict[str, Any]:
+    with Outbox(url) as ob:
+        registry = CollectorRegistry()
+        ob.metrics(registry=registry)
+        text = generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    ep = (("endpoint", "payments"),)
+    by_reason = {
+        dict(labels)["reason"]: int(v)
+        for (name, labels), v in samples.items()
+        if name == "outbox_unresolved_operations" and v
+    }
+    return {
+        "in_flight": int(samples[("outbox_in_flight_operations", ep)]),
+        "unresolved": sum(by_reason.values()),
+        "near": int(samples[("outbox_operations_near_key_expiry", ep)]),
+        "expired": int(samples[("outbox_operations_key_expired", ep)]),
+        "due": int(samples[("outbox_due_operations", ep)]),
+        "unsendable": int(samples[("outbox_unsendable_operations", ep)]),
+        "by_reason": by_reason,
+    }
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_the_four_views_give_the_same_numbers(dialect: str, request: pytest.FixtureRequest,
+                                              tmp_path: Path) -> None:  # fmt: skip
+    if dialect == "sqlite":
+        url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    build(url)
+    views = {
+        "status --json": cli_json(url),
+        "status --check": cli_check(url),
+        "console": console(url),
+        "/metrics": metrics(url),
+    }
+    # The closing note's side-by-side table.
+    print()
+    for name, figures in views.items():
+        print(f"{name:15} {figures}")
+    for name, figures in views.items():
+        for key, value in figures.items():
+            assert value == EXPECTED[key], f"{name}: {key} = {value}, rows say {EXPECTED[key]}"
+    assert set(views["status --json"]) == set(EXPECTED)
+    assert {"near", "expired", "due", "unsendable", "by_reason"} <= set(views["/metrics"])
