@@ -115,7 +115,7 @@ def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OUTBOX_DB": url}
     return subprocess.run(
         [sys.executable, "-m", "outbox", "status", *args],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+        check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
 
