@@ -44,8 +44,8 @@ def _settled_select(series: str, n_expr: str) -> str:
         f"SELECT '', 'hist-' || {n_expr}, 'payments', 'POST', '/pay', '{{}}', 'x', "
         f"CASE {n_expr} % 3 WHEN 0 THEN 'failed' WHEN 1 THEN 'succeeded' "
         f"ELSE 'succeeded' END, 1, 1, NULL, "
-        f"{_NOW_MS} - {n_expr} * 7, {_NOW_MS} - {n_expr} * 7, {_NOW_MS} - {n_expr} * 7, "
-        f"{_NOW_MS} - {n_expr} * 7 + 5, 86400000 FROM {series}"
+        f"{_NOW_MS} - {n_expr} * 7776, {_NOW_MS} - {n_expr} * 7776, {_NOW_MS} - {n_expr} * 7776, "
+        f"{_NOW_MS} - {n_expr} * 7776 + 5, 86400000 FROM {series}"
     )
 
 
@@ -55,7 +55,7 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
     pg = engine.dialect.name == "postgresql"
     with engine.begin() as conn:
         if pg:
-            series = f"generate_series(1, {rows}) AS g(n)"
+            series = f"generate_series(1::bigint, {rows}) AS g(n)"
             conn.execute(text(f"INSERT INTO outbox_operations ({_COLUMNS}) "
                               + _settled_select(series, "g.n")))  # fmt: skip
         else:
@@ -91,7 +91,7 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
                     "state": state,
                     "due": _NOW_MS if state == "pending" else None,
                     "first": first,
-                    "reason": "attempts_exhausted" if state == "unresolved" else None,
+                    "reason": "retries_exhausted" if state == "unresolved" else None,
                 },
             )
     with engine.connect() as conn:

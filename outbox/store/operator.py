@@ -30,7 +30,7 @@ from outbox.model import (
     state_values,
 )
 from outbox.store.changes import ChangeSignals
-from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row
+from outbox.store.rows import OLDEST_FIRST, AuditRecord, audit_from_row, operation_from_row
 from outbox.store.tables import attempts, audit, operations
 
 
@@ -82,7 +82,7 @@ class OperatorQueries(ChangeSignals):
         """Operations ``where`` takes, oldest change first (no attempts);
         ``limit=None`` returns every match."""
         query = where.apply(select(operations))
-        query = query.order_by(operations.c.updated_at, operations.c.id).limit(limit).offset(offset)
+        query = query.order_by(*OLDEST_FIRST).limit(limit).offset(offset)
         with self.read() as conn:
             return [operation_from_row(r, ()) for r in conn.execute(query)]
 

@@ -52,7 +52,7 @@ EXPECTED = {
     "expired": 2,  # two unresolved whose key is already forgotten: past, not near
     "due": 4,
     "unsendable": 1,
-    "by_reason": {"attempts_exhausted": 4, "outcome_unknown": 2},
+    "by_reason": {"retries_exhausted": 4, "outcome_unknown": 2},
 }
 
 
@@ -94,12 +94,12 @@ def build(url: str) -> None:
         _row("p-due-3", "pending", now, next_attempt_at=now - 1000, first_attempt_at=soon),
         _row("p-dark", "pending", now, next_attempt_at=now - 1000, last_error="no endpoint"),
         _row("p-later", "pending", now, next_attempt_at=now + HOUR),
-        _row("u-soon-1", "unresolved", now, reason="attempts_exhausted", first_attempt_at=soon),
+        _row("u-soon-1", "unresolved", now, reason="retries_exhausted", first_attempt_at=soon),
         _row("u-soon-2", "unresolved", now, reason="outcome_unknown", first_attempt_at=soon),
-        _row("u-gone-1", "unresolved", now, reason="attempts_exhausted", first_attempt_at=gone),
+        _row("u-gone-1", "unresolved", now, reason="retries_exhausted", first_attempt_at=gone),
         _row("u-gone-2", "unresolved", now, reason="outcome_unknown", first_attempt_at=gone),
-        _row("u-far", "unresolved", now, reason="attempts_exhausted", first_attempt_at=far),
-        _row("u-none", "unresolved", now, reason="attempts_exhausted"),
+        _row("u-far", "unresolved", now, reason="retries_exhausted", first_attempt_at=far),
+        _row("u-none", "unresolved", now, reason="retries_exhausted"),
     ]
     for i in range(7):
         rows.append(_row(f"s-{i}", "succeeded", now, first_attempt_at=gone, finished_at=now))
@@ -239,3 +239,52 @@ def test_the_four_views_give_the_same_numbers(dialect: str, request: pytest.Fixt
             assert value == EXPECTED[key], f"{name}: {key} = {value}, rows say {EXPECTED[key]}"
     assert set(views["status --json"]) == set(EXPECTED)
     assert {"near", "expired", "due", "unsendable", "by_reason"} <= set(views["/metrics"])
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_oldest_first_is_one_order_in_the_cli_and_the_console(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """"Oldest first" is by entry into the reconciliation queue (the last change), then
+    row ID: enqueue order runs the other way, and two rows share an entry time."""
+    import json
+
+    from outbox.store.engine import create_engine
+
+    if dialect == "sqlite":
+        url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    engine = create_engine(url)
+    upgrade(engine)
+    now = int(time.time() * 1000)
+    # Enqueued a, b, c, d, e (created_at ascending); unresolved in the order e, (c, d), b, a.
+    entered = {"e": 5, "c": 4, "d": 4, "b": 3, "a": 1}
+    rows = [
+        _row(f"q-{name}", "unresolved", now, reason="retries_exhausted",
+             created_at=now - 10 * HOUR + i, updated_at=now - entered[name] * 60_000)
+        for i, name in enumerate("abcde")
+    ]  # fmt: skip
+    with engine.begin() as conn:
+        conn.execute(insert(operations), rows)
+    engine.dispose()
+    expected = ["q-e", "q-c", "q-d", "q-b", "q-a"]
+
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", "reconcile", "list", "--json"],
+        env={**os.environ, "OUTBOX_DB": url}, cwd=REPO, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    cli = [op["operation_id"] for op in json.loads(done.stdout)["operations"]]
+
+    creds = Credentials.parse(f"alice:{TOKEN}\n", default_name="nobody", source="test")
+    with Outbox(url) as ob:
+        c = TestClient(create_app(ob, creds), base_url="http://127.0.0.1")
+        c.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        page = c.get("/queue").text
+        newest = c.get("/queue?sort=newest").text
+    console_ids = re.findall(r'<td class="mono"><a href="[^"]*">(q-\w)</a>', page)
+    console_newest = re.findall(r'<td class="mono"><a href="[^"]*">(q-\w)</a>', newest)
+    assert cli == expected
+    assert console_ids == expected
+    assert console_newest == expected[::-1]
