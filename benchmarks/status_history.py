@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Any
 
+import sqlalchemy
 from sqlalchemy import text
 
 from outbox.store.engine import create_engine
@@ -50,10 +51,15 @@ def _settled_select(series: str, n_expr: str) -> str:
 
 
 def populate(url: str, rows: int, *, schema: str | None = None) -> None:
-    engine = create_engine(url, schema=schema)
-    upgrade(engine)
+    outbox_engine = create_engine(url, schema=schema)
+    upgrade(outbox_engine)
+    outbox_engine.dispose()
+    # A plain engine: the outbox's own sets a statement timeout an operator read wants.
+    engine = sqlalchemy.create_engine(url)
     pg = engine.dialect.name == "postgresql"
     with engine.begin() as conn:
+        if schema:
+            conn.execute(text(f"SET LOCAL search_path TO {schema}"))
         if pg:
             series = f"generate_series(1::bigint, {rows}) AS g(n)"
             conn.execute(text(f"INSERT INTO outbox_operations ({_COLUMNS}) "
@@ -97,6 +103,7 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
     with engine.connect() as conn:
         if pg:
             conn.execute(text("COMMIT"))
+            conn.execute(text(f"SET search_path TO {schema}"))
             conn.execute(text("ANALYZE outbox_operations"))
             conn.execute(text("ANALYZE outbox_attempts"))
     engine.dispose()
