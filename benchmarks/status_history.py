@@ -66,8 +66,7 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
                               + _settled_select(series, "g.n")))  # fmt: skip
         else:
             cte = (
-                "WITH RECURSIVE s(n) AS "
-                f"(SELECT 1 UNION ALL SELECT n + 1 FROM s WHERE n < {rows}) "
+                f"WITH RECURSIVE s(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM s WHERE n < {rows}) "
             )
             conn.execute(text(f"INSERT INTO outbox_operations ({_COLUMNS}) " + cte
                               + _settled_select("s", "s.n")))  # fmt: skip

@@ -89,6 +89,12 @@ def migrate(obj: Context) -> None:
     help="With --check: fail when work is due and no dispatcher was seen within the "
     "dispatcher timeout (turn off for dispatchers run as `dispatch --once`).",
 )
+@click.option(
+    "--settled/--no-settled",
+    default=None,
+    help="Count the settled operations too (default: yes, except with --check). That "
+    "count reads the whole history; the other figures read the live rows only.",
+)
 def status(
     obj: Context,
     as_json: bool,
@@ -98,6 +104,7 @@ def status(
     max_near_expiry: int,
     dispatcher_timeout: timedelta,
     dispatcher_check: bool,
+    settled: bool | None,
 ) -> None:
     """Counts per state, backlog per endpoint, reconciliation backlog, dispatchers."""
     report = _reconciler(obj).status(
@@ -107,6 +114,7 @@ def status(
         dispatcher_timeout=dispatcher_timeout,
         require_dispatcher=check and dispatcher_check,
         max_unsendable=0 if check else None,
+        settled=not check if settled is None else settled,
     )
     if as_json:
         _emit_json(report.as_dict())
@@ -117,7 +125,7 @@ def status(
         table.add_column("state")
         table.add_column("operations", justify="right")
         for state, n in report.counts.items():
-            table.add_row(state, str(n))
+            table.add_row(state, "-" if n is None else str(n))
         out.print(table)
         age = report.oldest_pending_age_seconds
         out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")

@@ -229,16 +229,23 @@ class OperatorActions:
         dispatcher_timeout: timedelta = DEFAULT_DISPATCHER_TIMEOUT,
         require_dispatcher: bool = False,
         max_unsendable: int | None = None,
+        settled: bool = True,
     ) -> StatusReport:
         """Counts and thresholds.
 
         ``require_dispatcher``: a problem when work is due and no dispatcher (running or
         stopped) was seen within ``dispatcher_timeout``. ``max_unsendable``: pending
         operations no dispatcher can send (say, an endpoint none registered).
+        ``settled=False``: the settled states' counts are not read (None), so the read
+        touches the live rows only, however long the history.
         """
         now = self.outbox.clock.now_ms()
         seen = watch(
-            self.outbox, now_ms=now, dispatcher_timeout=dispatcher_timeout, near=near_expiry
+            self.outbox,
+            now_ms=now,
+            dispatcher_timeout=dispatcher_timeout,
+            near=near_expiry,
+            settled=settled,
         )
         fig = seen.figures
         age = fig.oldest_pending_age_seconds

@@ -166,9 +166,7 @@ def figures(
         near_ms=int(near.total_seconds() * 1000),
         retention_ms_by_endpoint=retention,
     )
-    counts: dict[str, int | None] = {
-        s.value: 0 if s in LIVE_STATES else None for s in State
-    }
+    counts: dict[str, int | None] = {s.value: 0 if s in LIVE_STATES else None for s in State}
     for e in snap.endpoints.values():
         counts[State.PENDING.value] = (counts[State.PENDING.value] or 0) + e.pending
         counts[State.IN_FLIGHT.value] = (counts[State.IN_FLIGHT.value] or 0) + e.in_flight
@@ -256,6 +254,7 @@ def watch(
     now_ms: int,
     dispatcher_timeout: timedelta,
     near: timedelta = NEAR_EXPIRY,
+    settled: bool = True,
 ) -> Watch:
     timeout_ms = dispatcher_timeout.total_seconds() * 1000
     infos = []
@@ -268,4 +267,6 @@ def watch(
         else:
             state = "live"
         infos.append(DispatcherInfo(row, state, max(0.0, silent_ms / 1000)))
-    return Watch(dispatchers=infos, figures=figures(outbox, now_ms=now_ms, near=near))
+    return Watch(
+        dispatchers=infos, figures=figures(outbox, now_ms=now_ms, near=near, settled=settled)
+    )

@@ -245,7 +245,7 @@ def test_the_four_views_give_the_same_numbers(dialect: str, request: pytest.Fixt
 def test_oldest_first_is_one_order_in_the_cli_and_the_console(
     dialect: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """"Oldest first" is by entry into the reconciliation queue (the last change), then
+    """ "Oldest first" is by entry into the reconciliation queue (the last change), then
     row ID: enqueue order runs the other way, and two rows share an entry time."""
     import json
 
