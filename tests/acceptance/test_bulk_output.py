@@ -63,8 +63,7 @@ def test_a_500_operation_dry_run_is_grouped_and_short(tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     assert len(lines) < 20, done.stdout
     assert lines == [
-        "dry run: requeue: 500 matched, would change 200, refused 300, changed by someone "
-        "else 0",
+        "dry run: requeue: 500 matched, would change 200, refused 300, changed by someone else 0",
         "  would change 200 -> pending (pay-0300, pay-0301, pay-0302, and 197 more)",
         "  refused 300: key retention passed: needs --accept-duplicate-risk (pay-0000, "
         "pay-0001, pay-0002, and 297 more)",
