@@ -129,7 +129,9 @@ def status(
         out.print(table)
         age = report.oldest_pending_age_seconds
         out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()))
+        reasons = ", ".join(
+            f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()) if v
+        )
         out.print(
             f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
             + (f" ({reasons})" if reasons else "")
