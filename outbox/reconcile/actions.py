@@ -92,7 +92,16 @@ class OperatorActions:
     def _load(self, operation_id: str, tenant: str) -> Operation:
         op = self.store.get_operation(check_tenant(tenant), check_operation_id(operation_id))
         if op is None:
-            raise OperationNotFound(f"no operation {operation_id!r} in tenant {tenant!r}")
+            message = f"no operation {operation_id!r} in tenant {tenant!r}"
+            elsewhere = self.store.tenants_holding(operation_id)
+            if elsewhere:
+                names = " and ".join(repr(t) for t in elsewhere[:3])
+                message += (
+                    f"; it exists in tenant {names}"
+                    + (" and others" if len(elsewhere) > 3 else "")
+                    + f" (pass --tenant {elsewhere[0] or chr(39) * 2})"
+                )
+            raise OperationNotFound(message)
         return op
 
     # -- reads --------------------------------------------------------------------

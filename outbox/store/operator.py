@@ -201,6 +201,18 @@ class OperatorQueries(ChangeSignals):
         with self.write() as conn:
             conn.execute(insert(audit).values(row))
 
+    def tenants_holding(self, operation_id: str, *, limit: int = 4) -> list[str]:
+        """The tenants that hold an operation with this ID (for a not-found message)."""
+        with self.read() as conn:
+            return list(
+                conn.execute(
+                    select(operations.c.tenant)
+                    .where(operations.c.operation_id == operation_id)
+                    .order_by(operations.c.tenant)
+                    .limit(limit)
+                ).scalars()
+            )
+
     def state_counts(self) -> dict[str, int]:
         with self.read() as conn:
             return {
