@@ -76,8 +76,8 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
                 "INSERT INTO outbox_attempts (operation_pk, number, request_id, dispatcher_id, "
                 "lease_token, started_at, lease_until, finished_at, delivery, verdict, counted, "
                 f"status_code, duration_ms) SELECT id, 1, {uuid_expr}, 'd', 't', first_attempt_at, "
-                "first_attempt_at + 30000, finished_at, 'delivered', "
-                "CASE state WHEN 'failed' THEN 'failure' ELSE 'success' END, true, 200, 5 "
+                "first_attempt_at + 30000, finished_at, 'sent', "
+                "CASE state WHEN 'failed' THEN 'failed' ELSE 'success' END, true, 200, 5 "
                 "FROM outbox_operations"
             )
         )

@@ -131,7 +131,24 @@ def explain(op: Operation) -> str:
         return f"pending, but no dispatcher could send it: {op.last_error}"
     if op.state is State.PENDING and op.attempts_total:
         return f"waiting to retry after {op.attempts_total} attempts"
+    if op.state is State.FAILED:
+        return _why_failed(op)
     return op.state.value
+
+
+def _why_failed(op: Operation) -> str:
+    """``failed``: which answer settled it, from which attempt (or that an operator did)."""
+    last = next((a for a in reversed(op.attempts) if a.delivery is not None), None)
+    if last is None or last.verdict is not Verdict.FAILED:
+        return "failed: settled by an operator (see the audit trail)"
+    answer = (
+        f"the receiver refused it with {last.status_code}"
+        if last.status_code is not None
+        else f"attempt {last.number} ended with {last.error_class or 'a definitive refusal'}"
+    )
+    if last.receiver_request_id:
+        answer += f" (receiver request {last.receiver_request_id})"
+    return f"failed: {answer}, answering attempt {last.number} of {op.attempts_total}"
 
 
 @dataclass(frozen=True)

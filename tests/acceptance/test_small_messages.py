@@ -70,3 +70,35 @@ def test_metrics_port_without_prometheus_client_is_a_usage_error(tmp_path: Path)
         "error: --metrics-port needs prometheus_client, which is not installed: "
         "pip install 'outbox[metrics]'\n"
     )
+
+
+def test_show_of_a_failed_operation_says_which_answer_from_which_attempt(
+    tmp_path: Path,
+) -> None:
+    from outbox.store.tables import attempts
+
+    url = f"sqlite:///{tmp_path / 'o.sqlite3'}"
+    engine = create_engine(url)
+    upgrade(engine)
+    now = int(time.time() * 1000)
+    with engine.begin() as conn:
+        pk = conn.execute(insert(operations).values(
+            tenant="", operation_id="pay-0002", endpoint="payments", method="POST",
+            path="/pay", headers="{}", args_sha256="x", state="failed", created_at=now,
+            updated_at=now, finished_at=now, attempts_total=2, attempts_counted=2,
+            first_attempt_at=now - 60_000, result_status=422,
+        )).inserted_primary_key[0]  # fmt: skip
+        for number, (verdict, status) in enumerate((("retry", 503), ("failed", 422)), 1):
+            conn.execute(insert(attempts).values(
+                operation_pk=pk, number=number, request_id=f"req-{number}", dispatcher_id="d",
+                lease_token="t", started_at=now - 60_000 + number, lease_until=now,
+                finished_at=now, delivery="sent", verdict=verdict, status_code=status,
+                receiver_request_id=f"rx-{number}",
+            ))  # fmt: skip
+    engine.dispose()
+    done = _outbox("--db", url, "reconcile", "show", "pay-0002", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "why: failed: the receiver refused it with 422 (receiver request rx-2), answering "
+        "attempt 2 of 2\n"
+    ) in done.stdout
