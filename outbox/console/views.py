@@ -415,6 +415,8 @@ class Views:
         view = "/queue" if _field(form, "view") == "queue" else "/operations"
         back = view
 
+        filters: dict[str, str] = {}
+
         def act(targets: list[tuple[str, str, int]], *, dry_run: bool) -> BulkReport:
             return bulk_action(
                 self.outbox,
@@ -425,6 +427,7 @@ class Views:
                 outcome=outcome,
                 accept_duplicate_risk=accept,
                 dry_run=dry_run,
+                filters=filters,
             )
 
         try:
@@ -432,6 +435,7 @@ class Views:
                 raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
             if step == "preview":
                 listing = parse_listing(form, queue=view == "/queue")
+                filters.update(_bulk_filters(listing.raw, view))
                 back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
 
                 def preview() -> Any:
@@ -447,6 +451,7 @@ class Views:
                 ]
             elif step == "apply":
                 targets = [_target(t) for t in form.getlist("target")]
+                filters.update(_posted_filters(form))
                 if not targets:
                     raise ValidationError("no operation was selected")
                 if len(targets) > BULK_LIMIT:
@@ -471,7 +476,28 @@ class Views:
             outcome=outcome or "",
             accept=accept,
             back=back,
+            filters=filters,
         )
+
+
+def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:
+    """The listing's filters as the audit row records them (the view, and each filter
+    that is set)."""
+    out = {"view": view.strip("/")}
+    out.update({k: str(raw[k]) for k in FILTER_KEYS if k != "sort" and raw.get(k)})
+    return out
+
+
+def _posted_filters(form: FormData) -> dict[str, str]:
+    """The previewed listing's filters, carried by the apply form (``filter.<name>``)."""
+    out = {}
+    for key in ("view", *FILTER_KEYS):
+        value = _field(form, f"filter.{key}")
+        if value:
+            if len(value) > 255:
+                raise ValidationError("a bulk filter is longer than 255 characters")
+            out[key] = value
+    return out
 
 
 def _field(form: FormData, name: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from outbox.errors import (
     ConcurrentModification,
@@ -195,11 +195,18 @@ class GuardedReconciler(Reconciler):
     """
 
     def __init__(
-        self, outbox: OutboxParts, *, expected_version: int | None = None, dry_run: bool = False
+        self,
+        outbox: OutboxParts,
+        *,
+        expected_version: int | None = None,
+        dry_run: bool = False,
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(outbox)
         self._expected = expected_version
         self.dry_run = dry_run
+        #: Added to the audit row's details (a bulk action's filters, as the CLI's).
+        self.details = details or {}
 
     def _load(self, operation_id: str, tenant: str) -> Operation:
         op = super()._load(operation_id, tenant)
@@ -213,6 +220,9 @@ class GuardedReconciler(Reconciler):
 
     def _act(self, op: Operation, plan: Plan, *, note: str, operator: str | None) -> Operation:
         if not self.dry_run:
+            if self.details:
+                plan = Plan(plan.action, plan.to_state, plan.values,
+                            {**plan.details, **self.details})  # fmt: skip
             return super()._act(op, plan, note=note, operator=operator)
         check_note(note)
         check_actor(operator or default_operator())
@@ -291,11 +301,14 @@ def bulk_action(
     outcome: str | None = None,
     accept_duplicate_risk: bool = False,
     dry_run: bool,
+    filters: dict[str, str] | None = None,
 ) -> BulkReport:
     """Apply (or preview) one action to each ``(tenant, operation_id, version)``.
 
     Each operation is acted on alone, through :class:`GuardedReconciler`: one refused or
-    changed operation does not stop the others, and each gets its own line.
+    changed operation does not stop the others, and each gets its own line. ``filters``
+    (the listing the operator previewed) go into each audit row, under ``bulk`` as the
+    CLI's bulk actions put theirs.
     """
     if action not in BULK_ACTIONS:
         raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
@@ -306,7 +319,12 @@ def bulk_action(
     check_actor(operator)
     items = []
     for tenant, operation_id, version in targets:
-        rec = GuardedReconciler(outbox, expected_version=version, dry_run=dry_run)
+        rec = GuardedReconciler(
+            outbox,
+            expected_version=version,
+            dry_run=dry_run,
+            details={"bulk": {k: v for k, v in (filters or {}).items() if v}, "via": "console"},
+        )
         try:
             if action == "probe":
                 items.append(_probe_one(outbox, tenant, operation_id, version, dry_run=dry_run))

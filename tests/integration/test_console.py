@@ -9,6 +9,7 @@ the three tables byte-identical.
 from __future__ import annotations
 
 import html
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -561,9 +562,13 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
             "view": "queue",
             "action": "requeue",
             "note": "retry all",
+            "older_than": "0s",
         },
     )
     assert world.rows() == before
+    # The apply form carries the previewed filters, for the audit rows.
+    posted_filters = dict(re.findall(r'name="(filter\.[a-z_]+)" value="([^"]*)"', r.text))
+    assert posted_filters == {"filter.older_than": "0s", "filter.view": "queue"}
     rows = dict(
         re.findall(
             r'<a href="[^"]+">([^<]+)</a></td>\s*<td>[^<]*</td><td class="num">\d+'
@@ -585,6 +590,7 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
             "action": "requeue",
             "note": "retry all",
             "target": all_targets,
+            **posted_filters,
         },
     )
     assert r.status_code == 200
@@ -602,6 +608,13 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
     actors = {(a["operation_id"], a["actor"], a["action"]) for a in world.audit()}
     assert (BUSY.operation_id, "alice", "requeue") in actors
     assert (DARK.operation_id, "alice", "requeue") not in actors
+    # Each audit row records the filters, as the CLI's bulk actions do.
+    rows = [a for a in world.audit() if a["actor"] == "alice" and a["action"] == "requeue"]
+    assert len(rows) == 2
+    for row in rows:
+        details = json.loads(row["details"]) if isinstance(row["details"], str) else row["details"]
+        assert details["bulk"] == {"older_than": "0s", "view": "queue"}
+        assert details["via"] == "console"
 
 
 def test_bulk_refusals_change_nothing(shared: World) -> None:
