@@ -27,12 +27,12 @@ from outbox.reconcile import Reconciler, attempt_dict, parse_duration
 from outbox.reconcile.browse import (
     BULK_ACTIONS,
     Browser,
-    BulkReport,
     GuardedReconciler,
     OperationFilter,
     bulk_action,
     probe_refusal,
 )
+from outbox.reconcile.bulk import BulkOutcome, BulkReport
 
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)
@@ -441,13 +441,14 @@ class Views:
                 def preview() -> Any:
                     page = self.browser.operations(listing.flt, limit=BULK_LIMIT)
                     targets = [(op.tenant, op.operation_id, op.version) for op in page.items]
-                    return page.total, act(targets, dry_run=True)
+                    return page.total, targets, act(targets, dry_run=True)
 
-                total, report = await in_thread(preview)
+                total, targets_shown, report = await in_thread(preview)
+                versions = {(t, o): v for t, o, v in targets_shown}
                 applicable = [
-                    f"{i.tenant}|{i.operation_id}|{i.version}"
+                    f"{i.tenant}|{i.operation_id}|{versions[(i.tenant, i.operation_id)]}"
                     for i in report.items
-                    if i.result == "would apply"
+                    if i.outcome is BulkOutcome.CHANGED
                 ]
             elif step == "apply":
                 targets = [_target(t) for t in form.getlist("target")]

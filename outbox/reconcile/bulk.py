@@ -190,12 +190,15 @@ def bulk(
     accept_duplicate_risk: bool = False,
     selected: list[Operation] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    audit_details: dict[str, Any] | None = None,
 ) -> BulkReport:
     """Apply ``action`` ("resolve" with ``outcome``, "requeue" or "cancel") to every
     operation ``selection`` matches (or to ``selected``, from :func:`select`: what the
     operator confirmed), each on its own under the version check.
 
-    ``on_progress(done, total)`` is called after each operation.
+    ``on_progress(done, total)`` is called after each operation. ``audit_details``
+    replaces the selection as what each audit row records of the bulk action (the
+    console passes the filters of the listing the operator previewed).
     """
     if action not in _ACTIONS:
         raise ValidationError(f"unknown bulk action {action!r}")
@@ -207,7 +210,9 @@ def bulk(
     _, needs_attempts = _ACTIONS[action]
     ops = selected if selected is not None else select(rec, action, selection)
     report = BulkReport(action=action, dry_run=dry_run, selection=selection)
-    details = {"bulk": {k: v for k, v in selection.as_dict().items() if v is not None}}
+    details = audit_details or {
+        "bulk": {k: v for k, v in selection.as_dict().items() if v is not None}
+    }
     for done, listed in enumerate(ops, start=1):
         report.items.append(
             _one(

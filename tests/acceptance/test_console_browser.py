@@ -190,11 +190,11 @@ def test_a_bulk_action_previews_then_applies_in_the_browser(tmp_path: Path) -> N
         page.fill("details.bulk textarea[name=note]", "supplier confirmed nothing was reserved")
         page.click("button:has-text('Preview')")
         page.wait_for_selector("table.bulk")
-        assert "would apply: 1" in page.inner_text(".summary")
+        assert "would change: 1" in page.inner_text(".summary")
         assert audit_rows(db_url, S.BUSY.operation_id) == []  # the preview wrote nothing
         page.click("button:has-text('Apply to 1')")
         page.wait_for_selector("text=Bulk resolve: done")
-        assert "applied: 1" in page.inner_text(".summary")
+        assert "changed: 1" in page.inner_text(".summary")
     [row] = audit_rows(db_url, S.BUSY.operation_id)
     assert (row["action"], row["to_state"], row["note"]) == (
         "resolve",
