@@ -26,6 +26,7 @@ from outbox.model import Reason, State
 from outbox.reconcile import Reconciler, attempt_dict, parse_duration
 from outbox.reconcile.browse import (
     BULK_ACTIONS,
+    MAX_PAGE,
     Browser,
     GuardedReconciler,
     OperationFilter,
@@ -37,7 +38,10 @@ from outbox.reconcile.bulk import BulkOutcome, BulkReport
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)
 #: Most operations one bulk action previews and applies.
-BULK_LIMIT = 200
+BULK_LIMIT = 1500
+#: Operations one apply request acts on; the rest are carried to the next request (the
+#: "Continue" button), so each request stays short and the page shows the progress.
+BULK_PAGE = 250
 DONE = {
     "resolved": "Resolved. The audit trail below records it under your name.",
     "requeued": "Requeued: pending again under the same operation ID.",
@@ -416,6 +420,7 @@ class Views:
         back = view
 
         filters: dict[str, str] = {}
+        progress: tuple[int, int] | None = None
 
         def act(targets: list[tuple[str, str, int]], *, dry_run: bool) -> BulkReport:
             return bulk_action(
@@ -439,9 +444,19 @@ class Views:
                 back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
 
                 def preview() -> Any:
-                    page = self.browser.operations(listing.flt, limit=BULK_LIMIT)
-                    targets = [(op.tenant, op.operation_id, op.version) for op in page.items]
-                    return page.total, targets, act(targets, dry_run=True)
+                    shown: list[Any] = []
+                    total = 0
+                    while len(shown) < BULK_LIMIT:  # in pages: the browser's at most
+                        page = self.browser.operations(
+                            listing.flt, limit=min(MAX_PAGE, BULK_LIMIT - len(shown)),
+                            offset=len(shown),
+                        )  # fmt: skip
+                        shown += page.items
+                        total = page.total
+                        if not page.has_next:
+                            break
+                    targets = [(op.tenant, op.operation_id, op.version) for op in shown]
+                    return total, targets, act(targets, dry_run=True)
 
                 total, targets_shown, report = await in_thread(preview)
                 versions = {(t, o): v for t, o, v in targets_shown}
@@ -457,8 +472,12 @@ class Views:
                     raise ValidationError("no operation was selected")
                 if len(targets) > BULK_LIMIT:
                     raise ValidationError(f"at most {BULK_LIMIT} operations at once")
-                report = await in_thread(lambda: act(targets, dry_run=False))
-                total, applicable = len(targets), []
+                done_before = _int(_field(form, "done") or "0", "done")
+                now, later = targets[:BULK_PAGE], targets[BULK_PAGE:]
+                report = await in_thread(lambda: act(now, dry_run=False))
+                total = done_before + len(targets)
+                progress = (done_before + len(now), total)
+                applicable = [f"{t}|{o}|{v}" for t, o, v in later]
             else:
                 raise ValidationError("step is preview or apply")
         except OutboxError as exc:
@@ -470,9 +489,11 @@ class Views:
             nav="",
             report=report,
             total=total,
-            truncated=total > BULK_LIMIT,
+            truncated=total > BULK_LIMIT and report.dry_run,
             bulk_limit=BULK_LIMIT,
             applicable=applicable,
+            progress=progress,
+            bulk_page=BULK_PAGE,
             note=note,
             outcome=outcome or "",
             accept=accept,
