@@ -201,3 +201,53 @@ def test_a_bulk_action_previews_then_applies_in_the_browser(tmp_path: Path) -> N
         "failed",
         "supplier confirmed nothing was reserved",
     )
+
+
+def test_a_bulk_action_over_1000_operations_in_the_browser(tmp_path: Path) -> None:
+    """1,000 unresolved operations: one preview, the apply in pages with its progress,
+    one audit row per operation with the filters (issue 29). JavaScript off."""
+    import json
+
+    from sqlalchemy import func, select
+
+    from outbox.console.views import BULK_PAGE
+    from outbox.store.tables import audit, operations
+    from tests.integration.test_console_bulk_pages import N, _build
+
+    require_browser()
+    db_url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    _build(db_url)
+    progress = []
+    with console_process("--db", db_url) as console, chromium_page(javascript=False) as page:
+        sign_in(page, console.url, console.token())
+        page.goto(console.url + "/queue?tenant=acme")
+        assert page.inner_text("#total") == str(N)
+        page.click("details.bulk summary")
+        page.select_option("details.bulk select[name=action]", "resolve")
+        page.select_option("details.bulk select[name=outcome]", "failed")
+        page.fill("details.bulk textarea[name=note]", "supplier closed")
+        page.click("button:has-text('Preview')")
+        page.wait_for_selector("table.bulk")
+        assert f"would change: {N}" in page.inner_text(".summary")
+        page.screenshot(path=str(artifact(tmp_path, "console-bulk-preview.png")))
+        page.click(f"button:has-text('Apply to {N}')")
+        while True:
+            page.wait_for_selector("#bulk-progress")
+            progress.append(page.inner_text("#bulk-progress"))
+            if page.locator("button:has-text('Continue')").count() == 0:
+                break
+            page.click("button:has-text('Continue')")
+        page.screenshot(path=str(artifact(tmp_path, "console-bulk-done.png")))
+    assert progress == [f"{BULK_PAGE * (i + 1)} of {N} done" for i in range(N // BULK_PAGE)]
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            failed = conn.execute(
+                select(func.count()).select_from(operations).where(operations.c.state == "failed")
+            ).scalar_one()
+            details = conn.execute(select(audit.c.details)).scalars().all()
+    finally:
+        engine.dispose()
+    assert failed == N
+    assert len(details) == N
+    assert all(json.loads(d)["bulk"] == {"tenant": "acme", "view": "queue"} for d in details)
