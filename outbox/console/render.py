@@ -84,4 +84,8 @@ def environment() -> Environment:
     env.filters["when"] = when
     env.filters["age"] = age
     env.filters["duration"] = format_duration
+    from outbox.console.charts import attempts_chart, legend
+
+    env.globals["attempts_chart"] = attempts_chart
+    env.globals["chart_legend"] = legend
     return env

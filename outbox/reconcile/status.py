@@ -96,6 +96,10 @@ class Figures:
     oldest_pending_age_seconds: float | None
     #: (delivery, verdict, count) of the attempts started in the last hour.
     attempts_by_outcome: list[tuple[str, str, int]] = field(default_factory=list)
+    #: The last hour minute by minute, oldest first: 60 maps of outcome -> attempts
+    #: started in that minute (outcomes: success, retry, failed, other). They add up to
+    #: ``attempts_last_hour``.
+    attempts_per_minute: list[dict[str, int]] = field(default_factory=list)
     #: Endpoint -> circuit-breaker state ("closed", "open", "half_open"), filled by the
     #: circuit-breaker work from its own table; empty until then. Views render it as is.
     circuits: dict[str, str] = field(default_factory=dict)
@@ -145,6 +149,7 @@ class Figures:
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
             "attempts_last_hour": self.attempts_last_hour,
             "endpoints": {name: e.as_dict() for name, e in sorted(self.endpoints.items())},
+            "attempts_per_minute": self.attempts_per_minute,
             "circuits": self.circuits,
         }
 
@@ -194,6 +199,7 @@ def figures(
             unsendable=e.unsendable,
         )
     oldest = snap.oldest_pending_created_ms
+    hour_ago = now_ms - 3_600_000
     return Figures(
         now_ms=now_ms,
         near_key_expiry_window=near,
@@ -201,10 +207,22 @@ def figures(
         unresolved_by_reason=reasons,
         endpoints=endpoints,
         oldest_pending_age_seconds=None if oldest is None else max(0.0, (now_ms - oldest) / 1000),
-        attempts_by_outcome=monitoring.attempts_by_outcome(
-            outbox.store, since_ms=now_ms - 3_600_000
-        ),
-    )
+        attempts_by_outcome=monitoring.attempts_by_outcome(outbox.store, since_ms=hour_ago),
+        attempts_per_minute=_per_minute(monitoring.attempts_per_minute(outbox.store,
+                                                                       since_ms=hour_ago)),
+    )  # fmt: skip
+
+
+#: Chart outcome of each attempt verdict.
+CHART_OUTCOMES = ("success", "retry", "failed", "other")
+
+
+def _per_minute(rows: list[tuple[int, str, int]]) -> list[dict[str, int]]:
+    minutes = [dict.fromkeys(CHART_OUTCOMES, 0) for _ in range(60)]
+    for minute, verdict, n in rows:
+        outcome = verdict if verdict in CHART_OUTCOMES else "other"
+        minutes[min(max(minute, 0), 59)][outcome] += n
+    return minutes
 
 
 @dataclass(frozen=True)

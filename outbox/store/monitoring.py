@@ -186,6 +186,23 @@ def attempts_by_outcome(store: Store, *, since_ms: int) -> list[tuple[str, str, 
     return sorted((r.delivery or "open", r.verdict or "none", int(r.n)) for r in rows)
 
 
+def attempts_per_minute(store: Store, *, since_ms: int) -> list[tuple[int, str, int]]:
+    """(minute since ``since_ms``, verdict, count) of the attempts started since then:
+    one grouped read over ``ix_outbox_attempts_started_at`` (``open`` for an attempt
+    without an outcome yet, ``none`` for one without a verdict)."""
+    minute = ((attempts.c.started_at - since_ms) // 60_000).label("m")
+    with store.read() as conn:
+        rows = conn.execute(
+            select(minute, attempts.c.delivery, attempts.c.verdict, func.count().label("n"))
+            .where(attempts.c.started_at >= since_ms)
+            .group_by(minute, attempts.c.delivery, attempts.c.verdict)
+        ).all()
+    return [
+        (int(r.m), r.verdict or ("open" if r.delivery is None else "none"), int(r.n))
+        for r in rows
+    ]
+
+
 # -- heartbeats --------------------------------------------------------------------------
 
 

@@ -107,6 +107,14 @@ def test_sign_in_filter_the_queue_open_an_operation_and_resolve_it(tmp_path: Pat
     with console_process("--db", db_url) as console, chromium_page(javascript=False) as page:
         sign_in(page, console.url, console.token())
         assert page.inner_text(".tile.state-unresolved .n") == "3"
+        # The overview's chart renders without script, within the CSP (no console
+        # error), and its bars add up to the attempts the library counts.
+        chart = page.locator("svg[data-chart=attempts-per-minute]")
+        assert chart.count() == 1
+        bars = page.locator("svg[data-chart=attempts-per-minute] rect[data-n]")
+        total = sum(int(bars.nth(i).get_attribute("data-n")) for i in range(bars.count()))
+        assert total == int(chart.get_attribute("data-total")) > 0
+        page.screenshot(path=str(artifact(tmp_path, "console-overview.png")), full_page=True)
         page.click("nav >> text=Reconciliation queue")
         assert page.inner_text("#total") == "3"
         page.select_option("select[name=reason]", "outcome_unknown")

@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 from starlette.testclient import TestClient
 
 from outbox import Outbox
 from outbox.console import Credentials, create_app
 from outbox.store.migrate import upgrade
-from outbox.store.tables import operations
+from outbox.store.tables import attempts, operations
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "alice-" + "a" * 20
@@ -53,6 +53,12 @@ EXPECTED = {
     "due": 4,
     "unsendable": 1,
     "by_reason": {"retries_exhausted": 4, "outcome_unknown": 2},
+    # Attempts started in the last hour (the one 90 minutes ago is not), and the chart:
+    # minute 0 is 60 minutes ago; each attempt starts mid-minute (4.5 minutes ago is in
+    # minute 55), so the seconds the views take to run do not move it.
+    "attempts": 6,
+    "chart": {(55, "success"): 1, (55, "retry"): 1, (40, "failed"): 1, (40, "success"): 1,
+              (20, "other"): 1, (1, "other"): 1},
 }
 
 
@@ -108,6 +114,18 @@ def build(url: str) -> None:
     rows.append(_row("c-0", "cancelled", now, first_attempt_at=soon, finished_at=now))
     with engine.begin() as conn:
         conn.execute(insert(operations), rows)
+        pk = conn.execute(select(operations.c.id).where(operations.c.operation_id == "p-due-2"))
+        pk = pk.scalar_one()
+        # Attempts in the last hour, minutes apart, of every chart outcome; one older.
+        spec = [(5, "success"), (5, "retry"), (20, "failed"), (20, "success"), (40, None),
+                (59, "in_progress"), (90, "success")]  # fmt: skip
+        conn.execute(insert(attempts), [
+            {"operation_pk": pk, "number": i + 1, "request_id": f"r-{i}", "dispatcher_id": "d",
+             "lease_token": "t", "started_at": now - ago * 60_000 + 30_000,
+             "lease_until": now, "finished_at": None if verdict is None else now,
+             "delivery": None if verdict is None else "sent", "verdict": verdict}
+            for i, (ago, verdict) in enumerate(spec)
+        ])  # fmt: skip
     engine.dispose()
 
 
@@ -134,7 +152,13 @@ def cli_json(url: str) -> dict[str, Any]:
         "due": f["due"],
         "unsendable": f["unsendable"],
         "by_reason": {k: v for k, v in f["unresolved_by_reason"].items() if v},
+        "attempts": f["attempts_last_hour"],
+        "chart": _nonzero(f["attempts_per_minute"]),
     }
+
+
+def _nonzero(per_minute: list[dict[str, int]]) -> dict[tuple[int, str], int]:
+    return {(i, k): n for i, m in enumerate(per_minute) for k, n in m.items() if n}
 
 
 def cli_check(url: str) -> dict[str, Any]:
@@ -179,6 +203,15 @@ def console(url: str) -> dict[str, Any]:
     )
     assert row, page
     out["due"], out["unsendable"] = int(row.group(1)), int(row.group(4))
+    chart = re.search(r'data-chart="attempts-per-minute" data-total="(\d+)"', page)
+    assert chart, "no attempts chart on the overview"
+    out["attempts"] = int(chart.group(1))
+    out["chart"] = {
+        (int(m), o): int(n)
+        for m, o, n in re.findall(
+            r'data-minute="(\d+)" data-outcome="(\w+)" data-n="(\d+)"', page
+        )
+    }
     out["by_reason"] = {
         reason: int(n)
         for reason, n in re.findall(
