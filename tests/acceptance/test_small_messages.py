@@ -102,3 +102,19 @@ def test_show_of_a_failed_operation_says_which_answer_from_which_attempt(
         "why: failed: the receiver refused it with 422 (receiver request rx-2), answering "
         "attempt 2 of 2\n"
     ) in done.stdout
+
+
+def test_the_demo_says_when_the_database_its_commands_name_is_removed(tmp_path: Path) -> None:
+    gone = _outbox("demo", cwd=tmp_path)
+    assert gone.returncode == 0, gone.stderr
+    assert (
+        "an operator would now run (on a database this demo removes when it exits: "
+        "`outbox demo --dir DIR` keeps it):"
+    ) in gone.stdout
+    kept = _outbox("demo", "--dir", str(tmp_path / "kept"), cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+    assert "\nan operator would now run:\n" in kept.stdout
+    assert "--dir DIR" not in kept.stdout
+    assert (tmp_path / "kept" / "outbox.sqlite3").is_file()
+    makefile = (REPO / "Makefile").read_text()
+    assert "$(BIN)/outbox demo --dir demo-files" in makefile  # `make demo` keeps them
