@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from markupsafe import Markup
 
+from outbox.model import Operation
 from outbox.reconcile.status import CHART_OUTCOMES
 
 _COLOURS = {"success": "#2e7d32", "retry": "#f9a825", "failed": "#c62828", "other": "#607d8b"}
@@ -57,3 +58,57 @@ def legend() -> Markup:
         for name, c in _COLOURS.items()
     )
     return Markup(f'<ul class="legend">{items}</ul>')  # noqa: S704 (fixed words only)
+
+
+_VERDICT_COLOURS = {"success": "#2e7d32", "retry": "#f9a825", "failed": "#c62828"}
+
+
+def timeline_chart(op: Operation, now_ms: int) -> Markup:
+    """An operation's attempts on a time line against its retry window's end, the last
+    moment a request may be sent under its key and the receiver's key expiry (from the
+    policy snapshot), so "is a requeue still safe?" can be seen. Empty when the
+    operation was never attempted."""
+    first = op.first_attempt_at_ms
+    if first is None or not op.attempts:
+        return Markup("")
+    marks: list[tuple[str, int]] = [("now", now_ms)]
+    policy = op.policy
+    if policy is not None:
+        if op.window_started_at_ms is not None:
+            marks.append(("window closes", op.window_started_at_ms + policy.window_ms))
+        marks.append(("last send", policy.key_usable_until_ms(first)))
+        marks.append(("key expires", policy.key_expires_at_ms(first)))
+    times = [first, *(a.started_at_ms for a in op.attempts), *(t for _, t in marks)]
+    start, end = min(times), max(times)
+    span = max(1, end - start)
+    width, height, pad = 600, 70, 10
+
+    def x(t: int) -> int:
+        return pad + round((t - start) * (width - 2 * pad) / span)
+
+    data = " ".join(f'data-{name.replace(" ", "-")}="{t}"' for name, t in marks)
+    parts = [
+        f'<svg class="chart" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" data-chart="timeline" data-attempts="{len(op.attempts)}" {data}>',
+        "<title>Attempts against the retry window and the key's expiry</title>",
+        f'<line x1="{pad}" y1="30" x2="{width - pad}" y2="30" stroke="#90a4ae"/>',
+    ]
+    for i, (name, t) in enumerate(sorted(marks, key=lambda m: m[1])):
+        colour = "#c62828" if name == "key expires" else "#455a64"
+        at = x(t)
+        anchor = "start" if at < 60 else "end" if at > width - 60 else "middle"
+        parts.append(
+            f'<line x1="{at}" y1="12" x2="{at}" y2="48" stroke="{colour}" '
+            f'stroke-dasharray="3 2"/><text x="{at}" y="{59 + (i % 2) * 10}" font-size="10" '
+            f'text-anchor="{anchor}">{name}</text>'
+        )
+    for a in op.attempts:
+        verdict = a.verdict.value if a.verdict is not None else "open"
+        parts.append(
+            f'<circle cx="{x(a.started_at_ms)}" cy="30" r="5" '
+            f'fill="{_VERDICT_COLOURS.get(verdict, "#607d8b")}" data-attempt="{a.number}" '
+            f'data-started="{a.started_at_ms}"><title>attempt {a.number}: {verdict}</title>'
+            "</circle>"
+        )
+    parts.append("</svg>")
+    return Markup("".join(parts))  # noqa: S704 (numbers and fixed words only)

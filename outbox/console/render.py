@@ -84,8 +84,9 @@ def environment() -> Environment:
     env.filters["when"] = when
     env.filters["age"] = age
     env.filters["duration"] = format_duration
-    from outbox.console.charts import attempts_chart, legend
+    from outbox.console.charts import attempts_chart, legend, timeline_chart
 
     env.globals["attempts_chart"] = attempts_chart
     env.globals["chart_legend"] = legend
+    env.globals["timeline_chart"] = timeline_chart
     return env

@@ -266,6 +266,7 @@ class Views:
             json_limit=JSON_DISPLAY_LIMIT,
             notice=notice,
             probe_outcome=probe_outcome,
+            now_ms=self.outbox.clock.now_ms(),
         )
 
     def _actions(self, op: Any, actor: str) -> dict[str, Any]:

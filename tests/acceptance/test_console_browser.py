@@ -128,6 +128,11 @@ def test_sign_in_filter_the_queue_open_an_operation_and_resolve_it(tmp_path: Pat
         explanation = page.inner_text(".explanation")
         assert "may have reached the receiver" in explanation
         assert page.locator("ol.timeline li").count() == 1
+        # The time line: one dot per attempt, and the key's expiry from the snapshot.
+        timeline = page.locator("svg[data-chart=timeline]")
+        assert timeline.count() == 1
+        assert page.locator("svg[data-chart=timeline] circle[data-attempt]").count() == 1
+        assert timeline.get_attribute("data-key-expires")
         page.screenshot(path=str(artifact(tmp_path, "console-op-lost.png")), full_page=True)
         page.check("input[name=outcome][value=succeeded]")
         page.fill("#resolve-note", "reservation found in the receiver's admin")

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 from starlette.testclient import TestClient
 
 from outbox import Outbox
@@ -321,3 +321,40 @@ def test_oldest_first_is_one_order_in_the_cli_and_the_console(
     assert cli == expected
     assert console_ids == expected
     assert console_newest == expected[::-1]
+
+
+def test_an_operations_timeline_is_drawn_from_its_policy_snapshot(tmp_path: Path) -> None:
+    """The operation page's SVG time line: one dot per attempt at its start, and the key
+    expiry at first attempt + the snapshot's retention (no application given)."""
+    from outbox.store.engine import create_engine
+
+    url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    build(url)
+    engine = create_engine(url)
+    with engine.begin() as conn:  # the whole policy snapshot, as an enqueue stores it
+        conn.execute(
+            update(operations).where(operations.c.operation_id == "p-due-2").values(
+                policy_window_ms=HOUR, policy_margin_ms=5 * 60_000, policy_max_attempts=8,
+                policy_in_progress_budget=10, window_started_at=operations.c.first_attempt_at,
+            )
+        )  # fmt: skip
+    with engine.connect() as conn:
+        first, window = conn.execute(
+            select(operations.c.first_attempt_at, operations.c.policy_key_retention_ms)
+            .where(operations.c.operation_id == "p-due-2")
+        ).one()  # fmt: skip
+        started = conn.execute(select(attempts.c.started_at).order_by(attempts.c.number))
+        started = [int(s) for s in started.scalars()]
+    engine.dispose()
+    creds = Credentials.parse(f"alice:{TOKEN}\n", default_name="nobody", source="test")
+    with Outbox(url) as ob:
+        c = TestClient(create_app(ob, creds), base_url="http://127.0.0.1")
+        c.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        page = c.get("/operation?tenant=&id=p-due-2").text
+    svg = re.search(r'<svg[^>]*data-chart="timeline"[^>]*>', page)
+    assert svg, "no timeline on the operation page"
+    assert f'data-key-expires="{first + window}"' in svg.group(0)
+    assert f'data-attempts="{len(started)}"' in svg.group(0)
+    assert f'data-window-closes="{first + HOUR}"' in svg.group(0)
+    assert f'data-last-send="{first + window - 5 * 60_000}"' in svg.group(0)
+    assert [int(s) for s in re.findall(r'data-started="(\d+)"', page)] == started
