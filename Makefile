@@ -16,7 +16,7 @@ $(BIN)/outbox: pyproject.toml
 install: $(BIN)/outbox
 
 demo: install
-	$(BIN)/outbox demo
+	$(BIN)/outbox demo --dir demo-files
 
 lint: install
 	$(BIN)/ruff check .

@@ -51,7 +51,7 @@ def run_demo(directory: str | None, out: Console, *, deadline_seconds: float = 3
     db_url = f"sqlite:///{workdir / 'outbox.sqlite3'}"
     try:
         with Receiver(workdir / "receiver.sqlite3") as receiver:
-            _story(receiver, db_url, out, deadline_seconds)
+            _story(receiver, db_url, out, deadline_seconds, keep=keep)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -59,7 +59,9 @@ def run_demo(directory: str | None, out: Console, *, deadline_seconds: float = 3
         out.print(f"\nfiles kept in {workdir}")
 
 
-def _story(receiver: Receiver, db_url: str, out: Console, deadline_seconds: float) -> None:
+def _story(
+    receiver: Receiver, db_url: str, out: Console, deadline_seconds: float, *, keep: bool
+) -> None:
     receiver.faults.drop_after_commit(times=1, key="order-1001-reserve")
     receiver.faults.fail_before_work(503, retry_after="1", times=1, key="order-1003-reserve")
     receiver.faults.hang_after_commit(path="/reservations/slow", replays=True)
@@ -104,10 +106,10 @@ def _story(receiver: Receiver, db_url: str, out: Console, deadline_seconds: floa
         finally:
             stop.set()
             worker.join()
-        _report(ob, receiver, out, db_url)
+        _report(ob, receiver, out, db_url, keep=keep)
 
 
-def _report(ob: Outbox, receiver: Receiver, out: Console, db_url: str) -> None:
+def _report(ob: Outbox, receiver: Receiver, out: Console, db_url: str, *, keep: bool) -> None:
     table = Table(title="\nwhat happened")
     for column in ("operation id", "state", "attempts (request ids)", "effects at receiver"):
         table.add_column(column)
@@ -146,7 +148,13 @@ def _report(ob: Outbox, receiver: Receiver, out: Console, db_url: str) -> None:
                 markup=False,
             )
         first = unresolved[0].operation_id
-        out.print("\nan operator would now run:")
+        if keep:
+            out.print("\nan operator would now run:")
+        else:
+            out.print(
+                "\nan operator would now run (on a database this demo removes when it "
+                "exits: `outbox demo --dir DIR` keeps it):"
+            )
         out.print(f"  outbox --db {db_url} reconcile list", markup=False)
         out.print(f"  outbox --db {db_url} reconcile show {first}", markup=False)
         out.print(
@@ -155,4 +163,5 @@ def _report(ob: Outbox, receiver: Receiver, out: Console, db_url: str) -> None:
             markup=False,
         )
         out.print("  (or `reconcile requeue` to send it again under the same operation ID)")
-    out.print("\n(run with --dir DIR to keep the databases and try those commands)")
+    if not keep:
+        out.print("\n(run with --dir DIR to keep the databases and try those commands)")

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from outbox.cli.support import (
+    EXIT_USAGE,
     Context,
     command,
+    fail,
     settle_gc_for_dispatch,
 )
 from outbox.errors import ConfigurationError, StoreError
@@ -67,6 +69,15 @@ def dispatch(
         raise click.UsageError("--once and --until-empty exclude each other")
     if not obj.app:
         raise click.UsageError("dispatch needs --app module:attr: endpoints live in code")
+    if metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401  (the metrics extra)
+        except ImportError:
+            fail(
+                EXIT_USAGE,
+                "--metrics-port needs prometheus_client, which is not installed: "
+                "pip install 'outbox[metrics]'",
+            )
     if processes is not None:
         if once or until_empty:
             flag = "--once" if once else "--until-empty"

@@ -24,7 +24,7 @@ from outbox.cli.support import (
 from outbox.model import Reason
 
 if TYPE_CHECKING:
-    from outbox.reconcile.bulk import BulkReport, Selection
+    from outbox.reconcile.bulk import BulkGroup, BulkReport, Selection
 from outbox.cli.reading import _show
 from outbox.cli.root import _emit_json, _filter_words, _reconciler, err, json_option, main, out
 
@@ -144,6 +144,17 @@ class Target:
     selection: Selection | None
     dry_run: bool
     yes: bool
+    #: List every operation, not only the groups (--verbose).
+    verbose: bool = False
+
+
+VERBOSE_OPTION = click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="With --all: list every operation (default: grouped by outcome and reason, with "
+    "counts and the first few IDs).",
+)
 
 
 def target_options(
@@ -166,6 +177,7 @@ def target_options(
             newer_than: timedelta | None,
             dry_run: bool = False,
             yes: bool = False,
+            verbose: bool = False,
             **kwargs: Any,
         ) -> Any:
             filters = {
@@ -176,7 +188,7 @@ def target_options(
             }
             flags = {"dry_run": dry_run, "yes": yes}
             selection = _selection(operation_id, every, tenant, filters, flags)
-            target = Target(operation_id, tenant, selection, dry_run, yes)
+            target = Target(operation_id, tenant, selection, dry_run, yes, verbose)
             return fn(*args, target=target, **kwargs)
 
         options: list[Any] = [
@@ -195,6 +207,7 @@ def target_options(
                 click.option(
                     "--yes", is_flag=True, help="With --all: do not ask for confirmation."
                 ),
+                VERBOSE_OPTION,
             ]
         for option in reversed(options):
             gathered = option(gathered)
@@ -240,7 +253,7 @@ def _run_bulk(obj: Context, action: str, target: Target, *, as_json: bool, **kwa
     ops = select(rec, action, selection)
     plan = bulk(rec, action, selection, dry_run=True, selected=ops, **kwargs)
     if dry_run:
-        _bulk_summary(plan, as_json)
+        _bulk_summary(plan, as_json, verbose=target.verbose)
         return
     would = plan.counts["changed"]
     if would and not yes:
@@ -250,11 +263,11 @@ def _run_bulk(obj: Context, action: str, target: Target, *, as_json: bool, **kwa
                 f"{action} --all would change {would} operations; without a terminal to "
                 "confirm on, pass --yes (or look first with --dry-run)",
             )
-        _bulk_summary(plan, False, to=err)
+        _bulk_summary(plan, False, to=err, verbose=target.verbose)
         click.confirm(f"{action} {would} operations?", abort=True, err=True)
     with _progress_bar(f"{action}", len(ops)) as advance:
         report = bulk(rec, action, selection, selected=ops, on_progress=advance, **kwargs)
-    _bulk_summary(report, as_json)
+    _bulk_summary(report, as_json, verbose=target.verbose)
     if not report.exit_ok:
         sys.exit(EXIT_REFUSED)
 
@@ -272,7 +285,11 @@ def _progress_bar(label: str, total: int) -> Iterator[Any]:
         yield lambda done, _total: progress.update(task, completed=done)
 
 
-def _bulk_summary(report: BulkReport, as_json: bool, *, to: Console | None = None) -> None:
+def _bulk_summary(
+    report: BulkReport, as_json: bool, *, to: Console | None = None, verbose: bool = False
+) -> None:
+    """One head line, then one line per group (outcome and reason: its count and first
+    IDs); ``verbose``: one line per operation as well. ``--json`` carries both."""
     if as_json:
         _emit_json(report.as_dict())
         return
@@ -286,8 +303,12 @@ def _bulk_summary(report: BulkReport, as_json: bool, *, to: Console | None = Non
         f"{counts['changed_by_someone_else']}",
         markup=False,
     )
-    for why, n in report.refusals.items():
-        console.print(f"  refused {n}: {why}", markup=False)
+    for group in report.groups():
+        console.print(f"  {_group_line(group, report.dry_run)}", markup=False)
+    if not verbose:
+        if any(g.count > len(g.first_ids) for g in report.groups()):
+            console.print("  (--verbose or --json lists every operation)", markup=False)
+        return
     for item in report.items:
         tenant = f" (tenant {item.tenant!r})" if item.tenant else ""
         if item.outcome.value == "changed":
@@ -295,6 +316,19 @@ def _bulk_summary(report: BulkReport, as_json: bool, *, to: Console | None = Non
         else:
             line = f"{item.outcome.value.replace('_', ' ')}: {item.detail}"
         console.print(f"  {item.operation_id}{tenant}: {line}", markup=False)
+
+
+def _group_line(group: BulkGroup, dry_run: bool) -> str:
+    """``refused 300: key retention passed: needs --accept-duplicate-risk (pay-0001,
+    pay-0002, pay-0003, and 297 more)``"""
+    ids = ", ".join(group.first_ids)
+    more = group.count - len(group.first_ids)
+    ids += f", and {more} more" if more else ""
+    if group.outcome.value == "changed":
+        label = f"{'would change' if dry_run else 'changed'} {group.count} -> {group.why}"
+    else:
+        label = f"{group.outcome.value.replace('_', ' ')} {group.count}: {group.why}"
+    return f"{label} ({ids})"
 
 
 def _one_done(op: Any, as_json: bool, message: str) -> None:
@@ -381,6 +415,7 @@ def reconcile_requeue(
 @click.option("--newer-than", type=DURATION, default=None, help="With --all: last changed since.")
 @click.option("--dry-run", is_flag=True, help="With --all: say what would change; change nothing.")
 @click.option("--yes", is_flag=True, help="With --all: do not ask for confirmation.")
+@VERBOSE_OPTION
 @click.option("--note", required=True, help="Why, for the audit trail.")
 @click.option("--operator", default=None)
 @json_option
@@ -394,6 +429,7 @@ def cancel(
     newer_than: timedelta | None,
     dry_run: bool,
     yes: bool,
+    verbose: bool,
     note: str,
     operator: str | None,
     as_json: bool,
@@ -402,7 +438,7 @@ def cancel(
     filters = {"endpoint": endpoint, "older_than": older_than, "newer_than": newer_than}
     selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
     if selection is not None:
-        target = Target(operation_id, tenant, selection, dry_run, yes)
+        target = Target(operation_id, tenant, selection, dry_run, yes, verbose)
         _run_bulk(obj, "cancel", target, as_json=as_json,
                   note=note, operator=operator)  # fmt: skip
         return

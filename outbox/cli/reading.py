@@ -15,11 +15,12 @@ from outbox.cli.support import (
     Context,
     command,
 )
+from outbox.durations import format_duration
 from outbox.model import State
 
 if TYPE_CHECKING:
     from outbox.reconcile import OperationReport
-    from outbox.reconcile.status import Watch
+    from outbox.reconcile.status import Figures, Watch
 from outbox.cli.root import _emit_json, _filter_words, _reconciler, json_option, main, out
 
 # -- schema ---------------------------------------------------------------------------
@@ -88,6 +89,12 @@ def migrate(obj: Context) -> None:
     help="With --check: fail when work is due and no dispatcher was seen within the "
     "dispatcher timeout (turn off for dispatchers run as `dispatch --once`).",
 )
+@click.option(
+    "--settled/--no-settled",
+    default=None,
+    help="Count the settled operations too (default: yes, except with --check). That "
+    "count reads the whole history; the other figures read the live rows only.",
+)
 def status(
     obj: Context,
     as_json: bool,
@@ -97,6 +104,7 @@ def status(
     max_near_expiry: int,
     dispatcher_timeout: timedelta,
     dispatcher_check: bool,
+    settled: bool | None,
 ) -> None:
     """Counts per state, backlog per endpoint, reconciliation backlog, dispatchers."""
     report = _reconciler(obj).status(
@@ -106,6 +114,7 @@ def status(
         dispatcher_timeout=dispatcher_timeout,
         require_dispatcher=check and dispatcher_check,
         max_unsendable=0 if check else None,
+        settled=not check if settled is None else settled,
     )
     if as_json:
         _emit_json(report.as_dict())
@@ -116,23 +125,37 @@ def status(
         table.add_column("state")
         table.add_column("operations", justify="right")
         for state, n in report.counts.items():
-            table.add_row(state, str(n))
+            table.add_row(state, "-" if n is None else str(n))
         out.print(table)
         age = report.oldest_pending_age_seconds
         out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()))
+        reasons = ", ".join(
+            f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()) if v
+        )
         out.print(
             f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
             + (f" ({reasons})" if reasons else "")
         )
         out.print(f"attempts in the last hour: {report.attempts_last_hour}")
-        out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
+        out.print(key_expiry_line(report.figures))
         if report.watch is not None:
             _render_watch(report.watch)
         for problem in report.problems:
             out.print(f"PROBLEM: {problem}")
     if check and report.problems:
         sys.exit(EXIT_REFUSED)
+
+
+def key_expiry_line(fig: Figures) -> str:
+    """The key-expiry figures in words (the console's overview says the same)."""
+    window = format_duration(fig.near_key_expiry_window)
+    line = (
+        f"keys near expiry (within {window}): {fig.near_key_expiry}; "
+        f"keys already expired: {fig.key_expired}"
+    )
+    if fig.key_retention_unknown:
+        line += f"; key retention unknown: {fig.key_retention_unknown}"
+    return line
 
 
 def _render_watch(watch: Watch) -> None:

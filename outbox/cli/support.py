@@ -321,6 +321,11 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
     from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
     if isinstance(exc, (ArgumentError, NoSuchModuleError)):
+        if isinstance(obj.db, str) and "://" not in obj.db:
+            return EXIT_USAGE, (
+                f"--db {obj.db!r} is not a database URL: did you mean "
+                f"sqlite:///{os.path.abspath(obj.db)}?"
+            )
         return EXIT_USAGE, f"--db is not a database URL outbox can use: {_one_line(exc)}"
     if isinstance(exc, DBAPIError):
         cause = exc.orig if exc.orig is not None else exc

@@ -15,6 +15,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from outbox.canonical import CREDENTIAL_HEADERS
+from outbox.durations import format_duration
 from outbox.model import ms_to_datetime
 
 #: Pretty JSON longer than this is cut on the operation page (the size is shown).
@@ -82,4 +83,10 @@ def environment() -> Environment:
     )
     env.filters["when"] = when
     env.filters["age"] = age
+    env.filters["duration"] = format_duration
+    from outbox.console.charts import attempts_chart, legend, timeline_chart
+
+    env.globals["attempts_chart"] = attempts_chart
+    env.globals["chart_legend"] = legend
+    env.globals["timeline_chart"] = timeline_chart
     return env

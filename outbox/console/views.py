@@ -26,18 +26,22 @@ from outbox.model import Reason, State
 from outbox.reconcile import Reconciler, attempt_dict, parse_duration
 from outbox.reconcile.browse import (
     BULK_ACTIONS,
+    MAX_PAGE,
     Browser,
-    BulkReport,
     GuardedReconciler,
     OperationFilter,
     bulk_action,
     probe_refusal,
 )
+from outbox.reconcile.bulk import BulkOutcome, BulkReport
 
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)
 #: Most operations one bulk action previews and applies.
-BULK_LIMIT = 200
+BULK_LIMIT = 1500
+#: Operations one apply request acts on; the rest are carried to the next request (the
+#: "Continue" button), so each request stays short and the page shows the progress.
+BULK_PAGE = 250
 DONE = {
     "resolved": "Resolved. The audit trail below records it under your name.",
     "requeued": "Requeued: pending again under the same operation ID.",
@@ -262,6 +266,7 @@ class Views:
             json_limit=JSON_DISPLAY_LIMIT,
             notice=notice,
             probe_outcome=probe_outcome,
+            now_ms=self.outbox.clock.now_ms(),
         )
 
     def _actions(self, op: Any, actor: str) -> dict[str, Any]:
@@ -415,6 +420,9 @@ class Views:
         view = "/queue" if _field(form, "view") == "queue" else "/operations"
         back = view
 
+        filters: dict[str, str] = {}
+        progress: tuple[int, int] | None = None
+
         def act(targets: list[tuple[str, str, int]], *, dry_run: bool) -> BulkReport:
             return bulk_action(
                 self.outbox,
@@ -425,6 +433,7 @@ class Views:
                 outcome=outcome,
                 accept_duplicate_risk=accept,
                 dry_run=dry_run,
+                filters=filters,
             )
 
         try:
@@ -432,27 +441,44 @@ class Views:
                 raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
             if step == "preview":
                 listing = parse_listing(form, queue=view == "/queue")
+                filters.update(_bulk_filters(listing.raw, view))
                 back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
 
                 def preview() -> Any:
-                    page = self.browser.operations(listing.flt, limit=BULK_LIMIT)
-                    targets = [(op.tenant, op.operation_id, op.version) for op in page.items]
-                    return page.total, act(targets, dry_run=True)
+                    shown: list[Any] = []
+                    total = 0
+                    while len(shown) < BULK_LIMIT:  # in pages: the browser's at most
+                        page = self.browser.operations(
+                            listing.flt, limit=min(MAX_PAGE, BULK_LIMIT - len(shown)),
+                            offset=len(shown),
+                        )  # fmt: skip
+                        shown += page.items
+                        total = page.total
+                        if not page.has_next:
+                            break
+                    targets = [(op.tenant, op.operation_id, op.version) for op in shown]
+                    return total, targets, act(targets, dry_run=True)
 
-                total, report = await in_thread(preview)
+                total, targets_shown, report = await in_thread(preview)
+                versions = {(t, o): v for t, o, v in targets_shown}
                 applicable = [
-                    f"{i.tenant}|{i.operation_id}|{i.version}"
+                    f"{i.tenant}|{i.operation_id}|{versions[(i.tenant, i.operation_id)]}"
                     for i in report.items
-                    if i.result == "would apply"
+                    if i.outcome is BulkOutcome.CHANGED
                 ]
             elif step == "apply":
                 targets = [_target(t) for t in form.getlist("target")]
+                filters.update(_posted_filters(form))
                 if not targets:
                     raise ValidationError("no operation was selected")
                 if len(targets) > BULK_LIMIT:
                     raise ValidationError(f"at most {BULK_LIMIT} operations at once")
-                report = await in_thread(lambda: act(targets, dry_run=False))
-                total, applicable = len(targets), []
+                done_before = _int(_field(form, "done") or "0", "done")
+                now, later = targets[:BULK_PAGE], targets[BULK_PAGE:]
+                report = await in_thread(lambda: act(now, dry_run=False))
+                total = done_before + len(targets)
+                progress = (done_before + len(now), total)
+                applicable = [f"{t}|{o}|{v}" for t, o, v in later]
             else:
                 raise ValidationError("step is preview or apply")
         except OutboxError as exc:
@@ -464,14 +490,37 @@ class Views:
             nav="",
             report=report,
             total=total,
-            truncated=total > BULK_LIMIT,
+            truncated=total > BULK_LIMIT and report.dry_run,
             bulk_limit=BULK_LIMIT,
             applicable=applicable,
+            progress=progress,
+            bulk_page=BULK_PAGE,
             note=note,
             outcome=outcome or "",
             accept=accept,
             back=back,
+            filters=filters,
         )
+
+
+def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:
+    """The listing's filters as the audit row records them (the view, and each filter
+    that is set)."""
+    out = {"view": view.strip("/")}
+    out.update({k: str(raw[k]) for k in FILTER_KEYS if k != "sort" and raw.get(k)})
+    return out
+
+
+def _posted_filters(form: FormData) -> dict[str, str]:
+    """The previewed listing's filters, carried by the apply form (``filter.<name>``)."""
+    out = {}
+    for key in ("view", *FILTER_KEYS):
+        value = _field(form, f"filter.{key}")
+        if value:
+            if len(value) > 255:
+                raise ValidationError("a bulk filter is longer than 255 characters")
+            out[key] = value
+    return out
 
 
 def _field(form: FormData, name: str) -> str:

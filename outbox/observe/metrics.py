@@ -25,7 +25,9 @@ Metric names (labels in braces):
 * gauges read from the store: ``outbox_due_operations{endpoint}``,
   ``outbox_oldest_due_age_seconds{endpoint}``, ``outbox_unresolved_operations{reason}``,
   ``outbox_in_flight_operations{endpoint}``,
-  ``outbox_operations_near_key_expiry{endpoint}``, ``outbox_unsendable_operations{endpoint}``
+  ``outbox_operations_near_key_expiry{endpoint}``, ``outbox_operations_key_expired{endpoint}``,
+  ``outbox_unsendable_operations{endpoint}``: every registered endpoint, 0 when it has
+  no live operation
 * ``outbox_dispatcher_requests_in_flight``: this process's operations on the wire
 """
 
@@ -37,18 +39,18 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 from outbox.base.logs import get_logger
-from outbox.store import monitoring
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint
     from outbox.model import Reason, State
     from outbox.observe.hooks import RunningDispatcher
     from outbox.reconcile.parts import OutboxParts
+    from outbox.reconcile.status import Figures
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
     from outbox.wire.transport import AttemptResult
 
@@ -59,27 +61,26 @@ _SETTLE_BUCKETS = (*_DELAY_BUCKETS, 4 * 3600, 24 * 3600)
 
 
 class _Backlog(Collector):
-    """Scrape-time gauges from one cached store snapshot."""
+    """Scrape-time gauges from one cached snapshot of the operator figures
+    (:func:`outbox.reconcile.status.figures`, the computation ``outbox status`` and the
+    console render), without the settled counts: a scrape reads the live rows only."""
 
     def __init__(self, outbox: OutboxParts, cache_seconds: float, metrics: OutboxMetrics) -> None:
         self._outbox = outbox
         self._cache_seconds = cache_seconds
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._snapshot: monitoring.Backlog | None = None
+        self._snapshot: Figures | None = None
         self._taken_at = -float("inf")
 
-    def snapshot(self) -> monitoring.Backlog | None:
+    def snapshot(self) -> Figures | None:
         with self._lock:
             if time.monotonic() - self._taken_at >= self._cache_seconds:
-                from outbox.reconcile.status import near_expiry_cutoffs
+                from outbox.reconcile.status import figures
 
-                now = self._outbox.clock.now_ms()
                 try:
-                    self._snapshot = monitoring.backlog(
-                        self._outbox.store,
-                        now_ms=now,
-                        near_expiry_before_ms=near_expiry_cutoffs(self._outbox, now),
+                    self._snapshot = figures(
+                        self._outbox, now_ms=self._outbox.clock.now_ms(), settled=False
                     )
                 except Exception as exc:
                     # Serve the previous snapshot; /readyz tells whether the database answers.
@@ -95,57 +96,62 @@ class _Backlog(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         return self._families(self.snapshot())
 
-    def _families(self, snap: monitoring.Backlog | None) -> Iterator[GaugeMetricFamily]:
+    def _families(self, snap: Figures | None) -> Iterator[GaugeMetricFamily]:
         in_flight_now = GaugeMetricFamily(
             "outbox_dispatcher_requests_in_flight",
-            "Operations this process's dispatcher holds right now.",
+            "Operations (a count) this process's dispatcher holds right now.",
         )
         in_flight_now.add_metric([], float(self._metrics.process_in_flight()))
         yield in_flight_now
         families = {
-            "due": GaugeMetricFamily(
-                "outbox_due_operations",
-                "Operations due now (pending, or in flight past their lease).",
-                labels=["endpoint"],
-            ),
-            "age": GaugeMetricFamily(
-                "outbox_oldest_due_age_seconds",
-                "How long the longest-waiting due operation has been due.",
-                labels=["endpoint"],
-            ),
-            "in_flight": GaugeMetricFamily(
-                "outbox_in_flight_operations",
-                "Operations claimed by a dispatcher.",
-                labels=["endpoint"],
-            ),
-            "near": GaugeMetricFamily(
-                "outbox_operations_near_key_expiry",
-                "Live operations within an hour of the receiver forgetting their key.",
-                labels=["endpoint"],
-            ),
-            "unsendable": GaugeMetricFamily(
-                "outbox_unsendable_operations",
-                "Pending operations no dispatcher can send (e.g. endpoint not registered).",
-                labels=["endpoint"],
-            ),
+            name: GaugeMetricFamily(metric, help_text, labels=["endpoint"])
+            for name, (metric, help_text) in _ENDPOINT_GAUGES.items()
         }
-        now_ms = snap.now_ms if snap else 0
+        # Every registered endpoint, with 0s: absent() and ratios need the series.
+        endpoints = dict.fromkeys(sorted(self._outbox.endpoints))
         for name, e in sorted(snap.endpoints.items()) if snap else ():
-            families["due"].add_metric([name], e.due)
-            age = 0.0 if e.oldest_due_at_ms is None else (now_ms - e.oldest_due_at_ms) / 1000
-            families["age"].add_metric([name], max(0.0, age))
-            families["in_flight"].add_metric([name], e.in_flight)
-            families["near"].add_metric([name], e.near_expiry)
-            families["unsendable"].add_metric([name], e.unsendable)
+            for key, family in families.items():
+                value = getattr(e, key)
+                family.add_metric([name], float(value or 0))
+            endpoints.pop(name, None)
+        for name in endpoints:
+            for family in families.values():
+                family.add_metric([name], 0.0)
         yield from families.values()
         unresolved = GaugeMetricFamily(
             "outbox_unresolved_operations",
-            "Operations in the reconciliation queue, by reason.",
+            "Operations (a count) in the reconciliation queue, by reason.",
             labels=["reason"],
         )
         for reason, n in sorted(snap.unresolved_by_reason.items()) if snap else ():
             unresolved.add_metric([reason], n)
         yield unresolved
+
+
+#: EndpointFigures field -> (metric name, HELP text naming the unit)
+_ENDPOINT_GAUGES = {
+    "due": (
+        "outbox_due_operations",
+        "Operations (a count) due now: pending, or in flight past their lease.",
+    ),
+    "oldest_due_age_seconds": (
+        "outbox_oldest_due_age_seconds",
+        "Seconds the longest-waiting due operation has been due (0: none due).",
+    ),
+    "in_flight": ("outbox_in_flight_operations", "Operations (a count) claimed by a dispatcher."),
+    "near_key_expiry": (
+        "outbox_operations_near_key_expiry",
+        "Live operations (a count) whose key the receiver forgets within the next hour.",
+    ),
+    "key_expired": (
+        "outbox_operations_key_expired",
+        "Live operations (a count) whose key the receiver has already forgotten.",
+    ),
+    "unsendable": (
+        "outbox_unsendable_operations",
+        "Pending operations (a count) no dispatcher can send (e.g. endpoint not registered).",
+    ),
+}
 
 
 class OutboxMetrics:
@@ -158,42 +164,50 @@ class OutboxMetrics:
         *,
         registry: CollectorRegistry | None = None,
         cache_seconds: float = 5.0,
+        created_series: bool = False,
     ) -> None:
+        if not created_series:
+            # prometheus_client's ``*_created`` series double every counter and histogram
+            # and no alert reads them. The switch is the library's, process-wide.
+            disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else REGISTRY
         r = self.registry
         self.attempts = Counter(
-            "outbox_attempts", "Attempt outcomes recorded, by delivery and verdict.",
+            "outbox_attempts",
+            "Attempts (a count) whose outcome was recorded, by delivery and verdict.",
             ["endpoint", "delivery", "verdict"], registry=r,
         )  # fmt: skip
         self.finished = Counter(
-            "outbox_operations_finished", "Operations a dispatcher settled.",
+            "outbox_operations_finished", "Operations (a count) a dispatcher settled.",
             ["endpoint", "state", "reason"], registry=r,
         )  # fmt: skip
         self.lease_expirations = Counter(
             "outbox_lease_expirations",
-            "Attempts found open after their dispatcher's lease expired.",
+            "Attempts (a count) found open after their dispatcher's lease expired.",
             ["endpoint"], registry=r,
         )  # fmt: skip
         self.fenced = Counter(
-            "outbox_fenced_writes", "Outcome writes dropped: another dispatcher held the lease.",
+            "outbox_fenced_writes",
+            "Outcome writes (a count) dropped: another dispatcher held the lease.",
             ["endpoint"], registry=r,
         )  # fmt: skip
         self.lookups = Counter(
-            "outbox_status_lookups", "Status lookups of unresolved operations, by answer.",
+            "outbox_status_lookups",
+            "Status lookups (a count) of unresolved operations, by answer.",
             ["endpoint", "answer"], registry=r,
         )  # fmt: skip
         self.duration = Histogram(
-            "outbox_attempt_duration_seconds", "Duration of attempts that were sent.",
+            "outbox_attempt_duration_seconds", "Seconds each attempt that was sent took.",
             ["endpoint"], registry=r,
         )  # fmt: skip
         self.first_delay = Histogram(
             "outbox_enqueue_to_first_attempt_seconds",
-            "From enqueue to the start of the first attempt.",
+            "Seconds from enqueue to the start of the first attempt.",
             ["endpoint"], buckets=_DELAY_BUCKETS, registry=r,
         )  # fmt: skip
         self.settle_time = Histogram(
             "outbox_enqueue_to_settled_seconds",
-            "From enqueue to succeeded, failed or unresolved.",
+            "Seconds from enqueue to succeeded, failed or unresolved.",
             ["endpoint", "state"], buckets=_SETTLE_BUCKETS, registry=r,
         )  # fmt: skip
         self._children: dict[tuple[Any, ...], Any] = {}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.base.safetext import check_printable
 from outbox.canonical import check_operation_id, check_tenant
+from outbox.durations import format_duration
 from outbox.errors import (
     ConcurrentModification,
     OperationNotFound,
@@ -91,7 +92,16 @@ class OperatorActions:
     def _load(self, operation_id: str, tenant: str) -> Operation:
         op = self.store.get_operation(check_tenant(tenant), check_operation_id(operation_id))
         if op is None:
-            raise OperationNotFound(f"no operation {operation_id!r} in tenant {tenant!r}")
+            message = f"no operation {operation_id!r} in tenant {tenant!r}"
+            elsewhere = self.store.tenants_holding(operation_id)
+            if elsewhere:
+                names = " and ".join(repr(t) for t in elsewhere[:3])
+                message += (
+                    f"; it exists in tenant {names}"
+                    + (" and others" if len(elsewhere) > 3 else "")
+                    + f" (pass --tenant {elsewhere[0] or chr(39) * 2})"
+                )
+            raise OperationNotFound(message)
         return op
 
     # -- reads --------------------------------------------------------------------
@@ -228,29 +238,29 @@ class OperatorActions:
         dispatcher_timeout: timedelta = DEFAULT_DISPATCHER_TIMEOUT,
         require_dispatcher: bool = False,
         max_unsendable: int | None = None,
+        settled: bool = True,
     ) -> StatusReport:
         """Counts and thresholds.
 
         ``require_dispatcher``: a problem when work is due and no dispatcher (running or
         stopped) was seen within ``dispatcher_timeout``. ``max_unsendable``: pending
         operations no dispatcher can send (say, an endpoint none registered).
+        ``settled=False``: the settled states' counts are not read (None), so the read
+        touches the live rows only, however long the history.
         """
         now = self.outbox.clock.now_ms()
-        seen = watch(self.outbox, now_ms=now, dispatcher_timeout=dispatcher_timeout)
-        counts = {s.value: 0 for s in State}
-        counts.update(self.store.state_counts())
-        oldest = self.store.oldest_pending_created_ms()
-        age = (now - oldest) / 1000 if oldest is not None else None
-        reasons = self.store.reason_counts()
-        # Rows with a policy snapshot need no application; older rows are counted by the
-        # registered endpoints' policies (with --app).
-        within_ms = int(near_expiry.total_seconds() * 1000)
-        near = self.store.keys_near_expiry_by_snapshot(now + within_ms)
-        for name, endpoint in self.outbox.endpoints.items():
-            retention_ms = int((endpoint.key_retention - near_expiry).total_seconds() * 1000)
-            near += self.store.keys_near_expiry(name, now - retention_ms)
+        seen = watch(
+            self.outbox,
+            now_ms=now,
+            dispatcher_timeout=dispatcher_timeout,
+            near=near_expiry,
+            settled=settled,
+        )
+        fig = seen.figures
+        age = fig.oldest_pending_age_seconds
+        near = fig.near_key_expiry
         problems = []
-        backlog = sum(reasons.values())
+        backlog = fig.reconciliation_queue
         if max_unresolved is not None and backlog > max_unresolved:
             problems.append(f"{backlog} unresolved operations (threshold {max_unresolved})")
         limit_s = max_pending_age.total_seconds() if max_pending_age is not None else None
@@ -260,31 +270,23 @@ class OperatorActions:
             )
         if max_near_expiry is not None and near > max_near_expiry:
             problems.append(
-                f"{near} live operations within {near_expiry} of key expiry "
+                f"{near} live operations within {format_duration(near_expiry)} of key expiry "
                 f"(threshold {max_near_expiry})"
             )
         last = max((d.row.last_seen_at_ms for d in seen.dispatchers), default=None)
         silent = last is None or now - last > dispatcher_timeout.total_seconds() * 1000
-        if require_dispatcher and seen.backlog.due and silent:
+        if require_dispatcher and fig.due and silent:
             problems.append(
-                f"{seen.backlog.due} operations are due and no dispatcher was seen in the last "
+                f"{fig.due} operations are due and no dispatcher was seen in the last "
                 f"{dispatcher_timeout.total_seconds():.0f}s"
                 + ("" if last is None else f" (last seen {(now - last) / 1000:.0f}s ago)")
             )
-        if max_unsendable is not None and seen.backlog.unsendable > max_unsendable:
+        if max_unsendable is not None and fig.unsendable > max_unsendable:
             problems.append(
-                f"{seen.backlog.unsendable} pending operations cannot be sent by any "
+                f"{fig.unsendable} pending operations cannot be sent by any "
                 f"dispatcher (threshold {max_unsendable}); see `outbox show`"
             )
-        return StatusReport(
-            watch=seen,
-            counts=counts,
-            oldest_pending_age_seconds=age,
-            unresolved_by_reason=reasons,
-            attempts_last_hour=self.store.attempts_since(now - 3_600_000),
-            keys_near_expiry=near,
-            problems=problems,
-        )
+        return StatusReport(figures=fig, problems=problems, watch=seen)
 
     # -- actions ------------------------------------------------------------------
 

@@ -10,15 +10,12 @@ shown to the operator, or as a dry run that checks every rule and writes nothing
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from outbox.errors import (
     ConcurrentModification,
-    ConfigurationError,
-    OperationNotFound,
-    OperatorActionRefused,
     ValidationError,
 )
 from outbox.model import Operation, Reason, State
@@ -30,6 +27,7 @@ from outbox.reconcile import (
     check_note,
     default_operator,
 )
+from outbox.reconcile.bulk import BulkItem, BulkOutcome, BulkReport, Selection, bulk
 from outbox.reconcile.probe import probe, skip_reason
 from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
@@ -222,30 +220,6 @@ class GuardedReconciler(Reconciler):
         )
 
 
-@dataclass(frozen=True)
-class BulkItem:
-    tenant: str
-    operation_id: str
-    version: int
-    #: "would apply" / "applied" / "refused" / "conflict"
-    result: str
-    detail: str
-    state_after: str | None = None
-
-
-@dataclass(frozen=True)
-class BulkReport:
-    action: str
-    dry_run: bool
-    items: list[BulkItem] = field(default_factory=list)
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for item in self.items:
-            out[item.result] = out.get(item.result, 0) + 1
-        return out
-
-
 BULK_ACTIONS = ("resolve", "requeue", "cancel", "probe")
 
 
@@ -256,29 +230,28 @@ def probe_refusal(outbox: OutboxParts, op: Operation) -> str | None:
     return skip_reason(outbox, op)
 
 
-def _probe_one(
-    outbox: OutboxParts, tenant: str, operation_id: str, version: int, *, dry_run: bool
-) -> BulkItem:
-    op = outbox.get(operation_id, tenant=tenant)
-    if op.version != version:
-        raise ConcurrentModification(
-            f"operation {operation_id!r} changed since it was shown (version {version}, "
-            f"now {op.version}: {op.state.value}); nothing was looked up"
-        )
-    refusal = probe_refusal(outbox, op)
-    if refusal is not None:
-        raise OperatorActionRefused(f"cannot probe {operation_id!r}: {refusal}")
-    if dry_run:
-        return BulkItem(tenant, operation_id, version, "would apply", "would ask the receiver")
-    outcome = probe(outbox, operation_id, tenant=tenant)
+def _someone_else(tenant: str, operation_id: str, version: int, now: Operation | None) -> BulkItem:
+    state = "it is gone" if now is None else f"now version {now.version}: {now.state.value}"
     return BulkItem(
         tenant,
         operation_id,
-        version,
-        "applied",
-        f"{outcome.action.value}, now {outcome.state.value}: {outcome.detail}",
-        outcome.state.value,
+        BulkOutcome.CHANGED_BY_SOMEONE_ELSE,
+        detail=f"operation {operation_id!r} changed since it was shown (version {version}, "
+        f"{state}); nothing was written",
     )
+
+
+def _probe_one(outbox: OutboxParts, op: Operation, *, dry_run: bool) -> BulkItem:
+    refusal = probe_refusal(outbox, op)
+    if refusal is not None:
+        return BulkItem(op.tenant, op.operation_id, BulkOutcome.REFUSED, "cannot probe",
+                        f"cannot probe {op.operation_id!r}: {refusal}")  # fmt: skip
+    if dry_run:
+        return BulkItem(op.tenant, op.operation_id, BulkOutcome.CHANGED, None,
+                        "would ask the receiver")  # fmt: skip
+    outcome = probe(outbox, op.operation_id, tenant=op.tenant)
+    detail = f"{outcome.action.value}, now {outcome.state.value}: {outcome.detail}"
+    return BulkItem(op.tenant, op.operation_id, BulkOutcome.CHANGED, None, detail)
 
 
 def bulk_action(
@@ -291,11 +264,15 @@ def bulk_action(
     outcome: str | None = None,
     accept_duplicate_risk: bool = False,
     dry_run: bool,
+    filters: dict[str, str] | None = None,
 ) -> BulkReport:
-    """Apply (or preview) one action to each ``(tenant, operation_id, version)``.
+    """Apply (or preview) one action to each ``(tenant, operation_id, version)``: the
+    console's bulk actions, through the CLI's engine (:func:`outbox.reconcile.bulk.bulk`)
+    and in its words (changed, refused, changed by someone else).
 
-    Each operation is acted on alone, through :class:`GuardedReconciler`: one refused or
-    changed operation does not stop the others, and each gets its own line.
+    An operation no longer at the version the operator was shown is left alone. One
+    refused or changed operation does not stop the others. ``filters`` (the listing the
+    operator previewed) go into each audit row under ``bulk``, as the CLI's do.
     """
     if action not in BULK_ACTIONS:
         raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
@@ -304,45 +281,28 @@ def bulk_action(
     if action != "probe":  # a probe's settlement is audited with the receiver's answer
         check_note(note)
     check_actor(operator)
-    items = []
+    details = {"bulk": {k: v for k, v in (filters or {}).items() if v}, "via": "console"}
+    rec = Reconciler(outbox)
+    report = BulkReport(action=action, dry_run=dry_run, selection=Selection())
     for tenant, operation_id, version in targets:
-        rec = GuardedReconciler(outbox, expected_version=version, dry_run=dry_run)
-        try:
-            if action == "probe":
-                items.append(_probe_one(outbox, tenant, operation_id, version, dry_run=dry_run))
-                continue
-            if action == "resolve":
-                op = rec.resolve(
-                    operation_id,
-                    tenant=tenant,
-                    outcome=outcome or "",
-                    note=note,
-                    operator=operator,
-                )
-            elif action == "requeue":
-                op = rec.requeue(
-                    operation_id,
-                    tenant=tenant,
-                    note=note,
-                    operator=operator,
-                    accept_duplicate_risk=accept_duplicate_risk,
-                )
-            else:
-                op = rec.cancel(operation_id, tenant=tenant, note=note, operator=operator)
-        except (ConcurrentModification, OperationNotFound) as exc:
-            items.append(BulkItem(tenant, operation_id, version, "conflict", str(exc)))
-        except (OperatorActionRefused, ValidationError, ConfigurationError) as exc:
-            items.append(BulkItem(tenant, operation_id, version, "refused", str(exc)))
-        else:
-            verb = "would become" if dry_run else "now"
-            items.append(
-                BulkItem(
-                    tenant,
-                    operation_id,
-                    version,
-                    "would apply" if dry_run else "applied",
-                    f"{verb} {op.state.value}",
-                    op.state.value,
-                )
-            )
-    return BulkReport(action, dry_run, items)
+        op = rec.store.get_operation(tenant, operation_id, with_attempts=action == "probe")
+        if op is None or op.version != version:
+            report.items.append(_someone_else(tenant, operation_id, version, op))
+            continue
+        if action == "probe":
+            report.items.append(_probe_one(outbox, op, dry_run=dry_run))
+            continue
+        one = bulk(
+            rec,
+            action,
+            Selection(),
+            note=note,
+            operator=operator,
+            dry_run=dry_run,
+            outcome=outcome,
+            accept_duplicate_risk=accept_duplicate_risk,
+            selected=[op],
+            audit_details=details,
+        )
+        report.items.extend(one.items)
+    return report

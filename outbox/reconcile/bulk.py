@@ -30,7 +30,7 @@ from outbox.reconcile import (
     default_operator,
 )
 
-__all__ = ["BulkItem", "BulkOutcome", "BulkReport", "Selection", "bulk"]
+__all__ = ["BulkGroup", "BulkItem", "BulkOutcome", "BulkReport", "Selection", "bulk"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +83,27 @@ class BulkItem:
         }
 
 
+@dataclass(frozen=True)
+class BulkGroup:
+    """Operations of one bulk action that met the same fate, for a summary that stays
+    short however many were selected."""
+
+    outcome: BulkOutcome
+    #: The refusal's short reason; for changed operations, the (would-be) new state.
+    why: str
+    count: int
+    #: The first few operation IDs, in selection order (oldest first).
+    first_ids: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "outcome": self.outcome.value,
+            "why": self.why,
+            "count": self.count,
+            "first_ids": self.first_ids,
+        }
+
+
 @dataclass
 class BulkReport:
     action: str
@@ -100,6 +121,21 @@ class BulkReport:
         """How many were refused, by short reason."""
         return dict(Counter(i.why for i in self.items if i.why is not None).most_common())
 
+    def groups(self, first: int = 3) -> list[BulkGroup]:
+        """The items grouped by outcome and reason, largest group first, each with its
+        first ``first`` operation IDs."""
+        seen: dict[tuple[BulkOutcome, str], list[str]] = {}
+        for item in self.items:
+            why = item.why or item.detail or item.outcome.value
+            if item.outcome is BulkOutcome.CHANGED_BY_SOMEONE_ELSE:
+                why = "it changed after it was selected"
+            seen.setdefault((item.outcome, why), []).append(item.operation_id)
+        order = list(BulkOutcome)
+        groups = [
+            BulkGroup(outcome, why, len(ids), ids[:first]) for (outcome, why), ids in seen.items()
+        ]
+        return sorted(groups, key=lambda g: (order.index(g.outcome), -g.count, g.why))
+
     @property
     def exit_ok(self) -> bool:
         """Everything selected was (or would be) changed."""
@@ -113,6 +149,7 @@ class BulkReport:
             "matched": len(self.items),
             "counts": self.counts,
             "refusals": self.refusals,
+            "groups": [g.as_dict() for g in self.groups()],
             "operations": [item.as_dict() for item in self.items],
         }
 
@@ -153,12 +190,15 @@ def bulk(
     accept_duplicate_risk: bool = False,
     selected: list[Operation] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    audit_details: dict[str, Any] | None = None,
 ) -> BulkReport:
     """Apply ``action`` ("resolve" with ``outcome``, "requeue" or "cancel") to every
     operation ``selection`` matches (or to ``selected``, from :func:`select`: what the
     operator confirmed), each on its own under the version check.
 
-    ``on_progress(done, total)`` is called after each operation.
+    ``on_progress(done, total)`` is called after each operation. ``audit_details``
+    replaces the selection as what each audit row records of the bulk action (the
+    console passes the filters of the listing the operator previewed).
     """
     if action not in _ACTIONS:
         raise ValidationError(f"unknown bulk action {action!r}")
@@ -170,7 +210,9 @@ def bulk(
     _, needs_attempts = _ACTIONS[action]
     ops = selected if selected is not None else select(rec, action, selection)
     report = BulkReport(action=action, dry_run=dry_run, selection=selection)
-    details = {"bulk": {k: v for k, v in selection.as_dict().items() if v is not None}}
+    details = audit_details or {
+        "bulk": {k: v for k, v in selection.as_dict().items() if v is not None}
+    }
     for done, listed in enumerate(ops, start=1):
         report.items.append(
             _one(

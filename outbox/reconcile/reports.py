@@ -16,7 +16,7 @@ from outbox.model import (
     Verdict,
     ms_to_iso,
 )
-from outbox.reconcile.status import Watch
+from outbox.reconcile.status import Figures, Watch
 from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:
@@ -131,7 +131,24 @@ def explain(op: Operation) -> str:
         return f"pending, but no dispatcher could send it: {op.last_error}"
     if op.state is State.PENDING and op.attempts_total:
         return f"waiting to retry after {op.attempts_total} attempts"
+    if op.state is State.FAILED:
+        return _why_failed(op)
     return op.state.value
+
+
+def _why_failed(op: Operation) -> str:
+    """``failed``: which answer settled it, from which attempt (or that an operator did)."""
+    last = next((a for a in reversed(op.attempts) if a.delivery is not None), None)
+    if last is None or last.verdict is not Verdict.FAILED:
+        return "failed: settled by an operator (see the audit trail)"
+    answer = (
+        f"the receiver refused it with {last.status_code}"
+        if last.status_code is not None
+        else f"attempt {last.number} ended with {last.error_class or 'a definitive refusal'}"
+    )
+    if last.receiver_request_id:
+        answer += f" (receiver request {last.receiver_request_id})"
+    return f"failed: {answer}, answering attempt {last.number} of {op.attempts_total}"
 
 
 @dataclass(frozen=True)
@@ -234,24 +251,49 @@ def audit_dict(r: AuditRecord) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StatusReport:
-    counts: dict[str, int]
-    oldest_pending_age_seconds: float | None
-    unresolved_by_reason: dict[str, int]
-    attempts_last_hour: int
-    keys_near_expiry: int
+    """``outbox status``: the operator figures (:class:`~outbox.reconcile.status.Figures`,
+    the one computation every view renders), the dispatchers and the problems found."""
+
+    figures: Figures
     problems: list[str] = field(default_factory=list)
-    #: Dispatchers, per-endpoint backlog, last hour's attempts by outcome.
+    #: Dispatchers, and the same figures.
     watch: Watch | None = None
+
+    @property
+    def counts(self) -> dict[str, int | None]:
+        return self.figures.counts
+
+    @property
+    def oldest_pending_age_seconds(self) -> float | None:
+        return self.figures.oldest_pending_age_seconds
+
+    @property
+    def unresolved_by_reason(self) -> dict[str, int]:
+        return self.figures.unresolved_by_reason
+
+    @property
+    def attempts_last_hour(self) -> int:
+        return self.figures.attempts_last_hour
+
+    @property
+    def keys_near_expiry(self) -> int:
+        return self.figures.near_key_expiry
+
+    @property
+    def keys_expired(self) -> int:
+        return self.figures.key_expired
 
     def as_dict(self) -> dict[str, Any]:
         return {
             **(self.watch.as_dict() if self.watch is not None else {}),
             "counts": self.counts,
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
-            "reconciliation_backlog": sum(self.unresolved_by_reason.values()),
+            "reconciliation_backlog": self.figures.reconciliation_queue,
             "unresolved_by_reason": self.unresolved_by_reason,
             "attempts_last_hour": self.attempts_last_hour,
             "keys_near_expiry": self.keys_near_expiry,
+            "keys_expired": self.keys_expired,
+            "figures": self.figures.as_dict(),
             "problems": self.problems,
             "ok": not self.problems,
         }

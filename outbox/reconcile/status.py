@@ -7,11 +7,12 @@ stopping (killed, crashed, frozen, or cut off from the database).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from outbox.model import ms_to_iso
+from outbox.model import LIVE_STATES, Reason, State, ms_to_iso
 from outbox.store import monitoring
 
 if TYPE_CHECKING:
@@ -50,43 +51,205 @@ class DispatcherInfo:
 
 
 @dataclass(frozen=True)
-class Watch:
-    """Dispatchers, per-endpoint backlog and last hour's attempts by outcome."""
+class EndpointFigures:
+    """One endpoint's live operations, as every view shows them."""
 
-    dispatchers: list[DispatcherInfo]
-    backlog: monitoring.Backlog
+    pending: int = 0
+    in_flight: int = 0
+    unresolved: int = 0
+    #: Pending, or in flight past their lease, and due now.
+    due: int = 0
+    #: How long the longest-waiting due operation has been due (None: nothing due).
+    oldest_due_age_seconds: float | None = None
+    #: Live, attempted operations whose key the receiver forgets within the window.
+    near_key_expiry: int = 0
+    #: Live, attempted operations whose key the receiver has already forgotten.
+    key_expired: int = 0
+    #: Live, attempted operations without a policy snapshot (retention unknown).
+    key_retention_unknown: int = 0
+    #: Pending operations no dispatcher can send now.
+    unsendable: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Every operator figure, computed once (:func:`figures`) and rendered by each view:
+    ``outbox status`` and ``status --check``, the console's overview and ``/metrics``.
+
+    Live figures come from one query over the live rows (a partial index); the settled
+    counts from a count over the state index, read only when asked for (``/metrics``
+    does not). Key expiry is judged by the policy snapshot stored with each operation,
+    so no view needs the application.
+    """
+
+    now_ms: int
+    near_key_expiry_window: timedelta
+    #: Operations by state, every state present. Settled states are None when not read.
+    counts: dict[str, int | None]
+    #: The reconciliation queue by reason, every reason present.
+    unresolved_by_reason: dict[str, int]
+    #: Every registered endpoint (with 0s) and every endpoint that has live operations.
+    endpoints: dict[str, EndpointFigures]
+    oldest_pending_age_seconds: float | None
     #: (delivery, verdict, count) of the attempts started in the last hour.
     attempts_by_outcome: list[tuple[str, str, int]] = field(default_factory=list)
+    #: The last hour minute by minute, oldest first: 60 maps of outcome -> attempts
+    #: started in that minute (outcomes: success, retry, failed, other). They add up to
+    #: ``attempts_last_hour``.
+    attempts_per_minute: list[dict[str, int]] = field(default_factory=list)
+    #: Endpoint -> circuit-breaker state ("closed", "open", "half_open"), filled by the
+    #: circuit-breaker work from its own table; empty until then. Views render it as is.
+    circuits: dict[str, str] = field(default_factory=dict)
+
+    def _sum(self, name: str) -> int:
+        return sum(int(getattr(e, name)) for e in self.endpoints.values())
+
+    @property
+    def due(self) -> int:
+        return self._sum("due")
+
+    @property
+    def unsendable(self) -> int:
+        return self._sum("unsendable")
+
+    @property
+    def near_key_expiry(self) -> int:
+        return self._sum("near_key_expiry")
+
+    @property
+    def key_expired(self) -> int:
+        return self._sum("key_expired")
+
+    @property
+    def key_retention_unknown(self) -> int:
+        return self._sum("key_retention_unknown")
+
+    @property
+    def reconciliation_queue(self) -> int:
+        return sum(self.unresolved_by_reason.values())
+
+    @property
+    def attempts_last_hour(self) -> int:
+        return sum(n for _, _, n in self.attempts_by_outcome)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "counts": self.counts,
+            "unresolved_by_reason": self.unresolved_by_reason,
+            "reconciliation_queue": self.reconciliation_queue,
+            "due": self.due,
+            "unsendable": self.unsendable,
+            "near_key_expiry_window_seconds": self.near_key_expiry_window.total_seconds(),
+            "keys_near_expiry": self.near_key_expiry,
+            "keys_expired": self.key_expired,
+            "keys_retention_unknown": self.key_retention_unknown,
+            "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
+            "attempts_last_hour": self.attempts_last_hour,
+            "endpoints": {name: e.as_dict() for name, e in sorted(self.endpoints.items())},
+            "attempts_per_minute": self.attempts_per_minute,
+            "circuits": self.circuits,
+        }
+
+
+def figures(
+    outbox: OutboxParts,
+    *,
+    now_ms: int,
+    near: timedelta = NEAR_EXPIRY,
+    settled: bool = True,
+) -> Figures:
+    """The operator figures of ``outbox`` as of ``now_ms`` (see :class:`Figures`)."""
+    retention = {
+        name: int(e.key_retention.total_seconds() * 1000) for name, e in outbox.endpoints.items()
+    }
+    snap = monitoring.backlog(
+        outbox.store,
+        now_ms=now_ms,
+        near_ms=int(near.total_seconds() * 1000),
+        retention_ms_by_endpoint=retention,
+    )
+    counts: dict[str, int | None] = {s.value: 0 if s in LIVE_STATES else None for s in State}
+    for e in snap.endpoints.values():
+        counts[State.PENDING.value] = (counts[State.PENDING.value] or 0) + e.pending
+        counts[State.IN_FLIGHT.value] = (counts[State.IN_FLIGHT.value] or 0) + e.in_flight
+        counts[State.UNRESOLVED.value] = (counts[State.UNRESOLVED.value] or 0) + e.unresolved
+    if settled:
+        for s in State:
+            if s not in LIVE_STATES:
+                counts[s.value] = 0
+        counts.update(monitoring.settled_counts(outbox.store))
+    reasons = {r.value: 0 for r in Reason}
+    reasons.update(snap.unresolved_by_reason)
+    endpoints = {name: EndpointFigures() for name in outbox.endpoints}
+    for name, e in snap.endpoints.items():
+        endpoints[name] = EndpointFigures(
+            pending=e.pending,
+            in_flight=e.in_flight,
+            unresolved=e.unresolved,
+            due=e.due,
+            oldest_due_age_seconds=None
+            if e.oldest_due_at_ms is None
+            else max(0.0, (now_ms - e.oldest_due_at_ms) / 1000),
+            near_key_expiry=e.near_expiry,
+            key_expired=e.key_expired,
+            key_retention_unknown=e.retention_unknown,
+            unsendable=e.unsendable,
+        )
+    oldest = snap.oldest_pending_created_ms
+    hour_ago = now_ms - 3_600_000
+    return Figures(
+        now_ms=now_ms,
+        near_key_expiry_window=near,
+        counts=counts,
+        unresolved_by_reason=reasons,
+        endpoints=endpoints,
+        oldest_pending_age_seconds=None if oldest is None else max(0.0, (now_ms - oldest) / 1000),
+        attempts_by_outcome=monitoring.attempts_by_outcome(outbox.store, since_ms=hour_ago),
+        attempts_per_minute=_per_minute(monitoring.attempts_per_minute(outbox.store,
+                                                                       since_ms=hour_ago)),
+    )  # fmt: skip
+
+
+#: Chart outcome of each attempt verdict.
+CHART_OUTCOMES = ("success", "retry", "failed", "other")
+
+
+def _per_minute(rows: list[tuple[int, str, int]]) -> list[dict[str, int]]:
+    minutes = [dict.fromkeys(CHART_OUTCOMES, 0) for _ in range(60)]
+    for minute, verdict, n in rows:
+        outcome = verdict if verdict in CHART_OUTCOMES else "other"
+        minutes[min(max(minute, 0), 59)][outcome] += n
+    return minutes
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Dispatchers and the operator figures."""
+
+    dispatchers: list[DispatcherInfo]
+    figures: Figures
 
     @property
     def live(self) -> list[DispatcherInfo]:
         return [d for d in self.dispatchers if d.state == "live"]
 
+    @property
+    def attempts_by_outcome(self) -> list[tuple[str, str, int]]:
+        return self.figures.attempts_by_outcome
+
     def endpoints_dict(self) -> dict[str, Any]:
-        now = self.backlog.now_ms
-        return {
-            name: {
-                "due": e.due,
-                "oldest_due_age_seconds": None
-                if e.oldest_due_at_ms is None
-                else max(0.0, (now - e.oldest_due_at_ms) / 1000),
-                "pending": e.pending,
-                "in_flight": e.in_flight,
-                "unresolved": e.unresolved,
-                "near_key_expiry": e.near_expiry,
-                "unsendable": e.unsendable,
-            }
-            for name, e in sorted(self.backlog.endpoints.items())
-        }
+        return {name: e.as_dict() for name, e in sorted(self.figures.endpoints.items())}
 
     def attempts_dict(self) -> dict[str, Any]:
-        total = sum(n for _, _, n in self.attempts_by_outcome)
-        good = sum(n for _, verdict, n in self.attempts_by_outcome if verdict == "success")
+        rows = self.figures.attempts_by_outcome
+        total = sum(n for _, _, n in rows)
+        good = sum(n for _, verdict, n in rows if verdict == "success")
         return {
             "total": total,
-            "by_outcome": [
-                {"delivery": d, "verdict": v, "count": n} for d, v, n in self.attempts_by_outcome
-            ],
+            "by_outcome": [{"delivery": d, "verdict": v, "count": n} for d, v, n in rows],
             # Attempts that did not succeed, of those started: a rate a person can read.
             "not_succeeded_ratio": None if total == 0 else round((total - good) / total, 4),
         }
@@ -96,23 +259,21 @@ class Watch:
             "dispatchers": [d.as_dict() for d in self.dispatchers],
             "live_dispatchers": len(self.live),
             "endpoints": self.endpoints_dict(),
-            "due": self.backlog.due,
-            "unsendable": self.backlog.unsendable,
+            "due": self.figures.due,
+            "unsendable": self.figures.unsendable,
             "attempts_last_hour_by_outcome": self.attempts_dict(),
+            "figures": self.figures.as_dict(),
         }
 
 
-def near_expiry_cutoffs(
-    outbox: OutboxParts, now_ms: int, near: timedelta = NEAR_EXPIRY
-) -> dict[str, int]:
-    """Per registered endpoint: first attempts before this put the key near expiry."""
-    return {
-        name: now_ms - int((e.key_retention - near).total_seconds() * 1000)
-        for name, e in outbox.endpoints.items()
-    }
-
-
-def watch(outbox: OutboxParts, *, now_ms: int, dispatcher_timeout: timedelta) -> Watch:
+def watch(
+    outbox: OutboxParts,
+    *,
+    now_ms: int,
+    dispatcher_timeout: timedelta,
+    near: timedelta = NEAR_EXPIRY,
+    settled: bool = True,
+) -> Watch:
     timeout_ms = dispatcher_timeout.total_seconds() * 1000
     infos = []
     for row in monitoring.list_dispatchers(outbox.store):
@@ -125,13 +286,5 @@ def watch(outbox: OutboxParts, *, now_ms: int, dispatcher_timeout: timedelta) ->
             state = "live"
         infos.append(DispatcherInfo(row, state, max(0.0, silent_ms / 1000)))
     return Watch(
-        dispatchers=infos,
-        backlog=monitoring.backlog(
-            outbox.store,
-            now_ms=now_ms,
-            near_expiry_before_ms=near_expiry_cutoffs(outbox, now_ms),
-        ),
-        attempts_by_outcome=monitoring.attempts_by_outcome(
-            outbox.store, since_ms=now_ms - 3_600_000
-        ),
+        dispatchers=infos, figures=figures(outbox, now_ms=now_ms, near=near, settled=settled)
     )

@@ -11,7 +11,13 @@ from sqlalchemy import func, select
 
 from outbox.model import Operation, Reason, State
 from outbox.store.base import Store
-from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row
+from outbox.store.rows import (
+    NEWEST_FIRST,
+    OLDEST_FIRST,
+    AuditRecord,
+    audit_from_row,
+    operation_from_row,
+)
 from outbox.store.tables import audit, operations
 
 
@@ -56,11 +62,7 @@ def operations_page(
     store: Store, q: OperationQuery, *, newest_first: bool, limit: int, offset: int
 ) -> tuple[list[Operation], int]:
     """One page of operations (without attempts) and the total matching the filters."""
-    order = (
-        (operations.c.created_at.desc(), operations.c.id.desc())
-        if newest_first
-        else (operations.c.created_at, operations.c.id)
-    )
+    order = NEWEST_FIRST if newest_first else OLDEST_FIRST
     with store.read() as conn:
         total = int(
             conn.execute(_where(select(func.count()).select_from(operations), q)).scalar_one()

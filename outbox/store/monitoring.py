@@ -47,8 +47,12 @@ class EndpointBacklog:
     pending: int = 0
     in_flight: int = 0
     unresolved: int = 0
-    #: Live operations whose key the receiver forgets soon (see ``backlog``).
+    #: Live, attempted operations whose key the receiver forgets within the window.
     near_expiry: int = 0
+    #: Live, attempted operations whose key the receiver has already forgotten.
+    key_expired: int = 0
+    #: Live, attempted operations whose key retention is unknown (no policy snapshot).
+    retention_unknown: int = 0
     #: Pending operations no dispatcher can send now (``last_error`` set).
     unsendable: int = 0
 
@@ -60,6 +64,8 @@ class Backlog:
     now_ms: int
     endpoints: dict[str, EndpointBacklog] = field(default_factory=dict)
     unresolved_by_reason: dict[str, int] = field(default_factory=dict)
+    #: ``created_at`` of the oldest pending operation.
+    oldest_pending_created_ms: int | None = None
 
     @property
     def due(self) -> int:
@@ -70,36 +76,56 @@ class Backlog:
         return sum(e.unsendable for e in self.endpoints.values())
 
 
-def backlog(store: Store, *, now_ms: int, near_expiry_before_ms: Mapping[str, int]) -> Backlog:
-    """Per-endpoint backlog in one query.
+def _key_expires_at(retention_ms_by_endpoint: Mapping[str, int]) -> Any:
+    """When the receiver forgets the row's key: its first attempt plus the retention of
+    its policy snapshot (or, for rows older than snapshots, of the registered endpoint)."""
+    retention: Any = operations.c.policy_key_retention_ms
+    if retention_ms_by_endpoint:
+        fallback = case(
+            {name: literal(ms) for name, ms in retention_ms_by_endpoint.items()},
+            value=operations.c.endpoint,
+            else_=None,
+        )
+        retention = func.coalesce(retention, fallback)
+    return operations.c.first_attempt_at + retention
 
-    ``near_expiry_before_ms`` maps an endpoint to the first-attempt time before which
-    its key counts as near expiry (endpoints not in it count none).
+
+def backlog(
+    store: Store,
+    *,
+    now_ms: int,
+    near_ms: int,
+    retention_ms_by_endpoint: Mapping[str, int] | None = None,
+) -> Backlog:
+    """Per-endpoint backlog in one query over the live rows only (the partial index
+    ``ix_outbox_operations_live``), however long the history.
+
+    A key is *near expiry* when it expires after ``now_ms`` and at most ``near_ms``
+    later; *expired* when it expired at or before ``now_ms``.
     """
     unsendable = and_(
         operations.c.state == State.PENDING.value, operations.c.last_error.is_not(None)
     )
     due_now = due_at(now_ms)
-    if near_expiry_before_ms:
-        cutoff: Any = case(
-            {name: literal(ms) for name, ms in near_expiry_before_ms.items()},
-            value=operations.c.endpoint,
-            else_=None,
-        )
-        first = operations.c.first_attempt_at
-        near: Any = func.sum(case((and_(first.is_not(None), first <= cutoff), 1), else_=0))
-    else:
-        near = literal(0)
+    expires = _key_expires_at(retention_ms_by_endpoint or {})
+    attempted = operations.c.first_attempt_at.is_not(None)
+
+    def count(*conditions: Any) -> Any:
+        return func.sum(case((and_(*conditions), 1), else_=0))
+
     query = (
         select(
             operations.c.endpoint,
             operations.c.state,
             operations.c.reason,
             func.count().label("n"),
-            func.sum(case((due_now, 1), else_=0)).label("due"),
+            count(due_now).label("due"),
             func.min(case((due_now, operations.c.next_attempt_at), else_=None)).label("oldest_due"),
-            near.label("near"),
-            func.sum(case((unsendable, 1), else_=0)).label("unsendable"),
+            count(attempted, expires > now_ms, expires <= now_ms + near_ms).label("near"),
+            count(attempted, expires <= now_ms).label("expired"),
+            count(attempted, expires.is_(None)).label("unknown"),
+            count(unsendable).label("unsendable"),
+            func.min(operations.c.created_at).label("oldest_created"),
         )
         .where(operations.c.state.in_(_LIVE))
         .group_by(operations.c.endpoint, operations.c.state, operations.c.reason)
@@ -112,6 +138,9 @@ def backlog(store: Store, *, now_ms: int, near_expiry_before_ms: Mapping[str, in
         n = int(r.n)
         if r.state == State.PENDING.value:
             e.pending += n
+            oldest = snapshot.oldest_pending_created_ms
+            if oldest is None or r.oldest_created < oldest:
+                snapshot.oldest_pending_created_ms = int(r.oldest_created)
         elif r.state == State.IN_FLIGHT.value:
             e.in_flight += n
         else:
@@ -120,12 +149,27 @@ def backlog(store: Store, *, now_ms: int, near_expiry_before_ms: Mapping[str, in
             snapshot.unresolved_by_reason[key] = snapshot.unresolved_by_reason.get(key, 0) + n
         e.due += int(r.due or 0)
         e.near_expiry += int(r.near or 0)
+        e.key_expired += int(r.expired or 0)
+        e.retention_unknown += int(r.unknown or 0)
         e.unsendable += int(r.unsendable or 0)
         if r.oldest_due is not None and (
             e.oldest_due_at_ms is None or r.oldest_due < e.oldest_due_at_ms
         ):
             e.oldest_due_at_ms = int(r.oldest_due)
     return snapshot
+
+
+def settled_counts(store: Store) -> dict[str, int]:
+    """Settled operations by state: a count over ``ix_outbox_operations_state_updated``
+    alone (no table row is read)."""
+    settled = [s.value for s in State if s not in LIVE_STATES]
+    with store.read() as conn:
+        rows = conn.execute(
+            select(operations.c.state, func.count().label("n"))
+            .where(operations.c.state.in_(settled))
+            .group_by(operations.c.state)
+        ).all()
+    return {r.state: int(r.n) for r in rows}
 
 
 def attempts_by_outcome(store: Store, *, since_ms: int) -> list[tuple[str, str, int]]:
@@ -140,6 +184,23 @@ def attempts_by_outcome(store: Store, *, since_ms: int) -> list[tuple[str, str, 
             .group_by(attempts.c.delivery, attempts.c.verdict)
         ).all()
     return sorted((r.delivery or "open", r.verdict or "none", int(r.n)) for r in rows)
+
+
+def attempts_per_minute(store: Store, *, since_ms: int) -> list[tuple[int, str, int]]:
+    """(minute since ``since_ms``, verdict, count) of the attempts started since then:
+    one grouped read over ``ix_outbox_attempts_started_at`` (``open`` for an attempt
+    without an outcome yet, ``none`` for one without a verdict)."""
+    minute = ((attempts.c.started_at - since_ms) // 60_000).label("m")
+    with store.read() as conn:
+        rows = conn.execute(
+            select(minute, attempts.c.delivery, attempts.c.verdict, func.count().label("n"))
+            .where(attempts.c.started_at >= since_ms)
+            .group_by(minute, attempts.c.delivery, attempts.c.verdict)
+        ).all()
+    return [
+        (int(r.m), r.verdict or ("open" if r.delivery is None else "none"), int(r.n))
+        for r in rows
+    ]
 
 
 # -- heartbeats --------------------------------------------------------------------------

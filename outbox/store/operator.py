@@ -23,14 +23,12 @@ from sqlalchemy import (
 
 from outbox.errors import StoreError
 from outbox.model import (
-    LIVE_STATES,
     Operation,
     Reason,
     State,
-    state_values,
 )
 from outbox.store.changes import ChangeSignals
-from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row
+from outbox.store.rows import OLDEST_FIRST, AuditRecord, audit_from_row, operation_from_row
 from outbox.store.tables import attempts, audit, operations
 
 
@@ -82,7 +80,7 @@ class OperatorQueries(ChangeSignals):
         """Operations ``where`` takes, oldest change first (no attempts);
         ``limit=None`` returns every match."""
         query = where.apply(select(operations))
-        query = query.order_by(operations.c.updated_at, operations.c.id).limit(limit).offset(offset)
+        query = query.order_by(*OLDEST_FIRST).limit(limit).offset(offset)
         with self.read() as conn:
             return [operation_from_row(r, ()) for r in conn.execute(query)]
 
@@ -201,6 +199,18 @@ class OperatorQueries(ChangeSignals):
         with self.write() as conn:
             conn.execute(insert(audit).values(row))
 
+    def tenants_holding(self, operation_id: str, *, limit: int = 4) -> list[str]:
+        """The tenants that hold an operation with this ID (for a not-found message)."""
+        with self.read() as conn:
+            return list(
+                conn.execute(
+                    select(operations.c.tenant)
+                    .where(operations.c.operation_id == operation_id)
+                    .order_by(operations.c.tenant)
+                    .limit(limit)
+                ).scalars()
+            )
+
     def state_counts(self) -> dict[str, int]:
         with self.read() as conn:
             return {
@@ -209,63 +219,3 @@ class OperatorQueries(ChangeSignals):
                     select(operations.c.state, func.count().label("n")).group_by(operations.c.state)
                 )
             }
-
-    def reason_counts(self) -> dict[str, int]:
-        with self.read() as conn:
-            return {
-                r.reason: r.n
-                for r in conn.execute(
-                    select(operations.c.reason, func.count().label("n"))
-                    .where(operations.c.state == State.UNRESOLVED.value)
-                    .group_by(operations.c.reason)
-                )
-            }
-
-    def oldest_pending_created_ms(self) -> int | None:
-        with self.read() as conn:
-            return conn.execute(
-                select(func.min(operations.c.created_at)).where(
-                    operations.c.state == State.PENDING.value
-                )
-            ).scalar()
-
-    def attempts_since(self, since_ms: int) -> int:
-        with self.read() as conn:
-            return int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(attempts)
-                    .where(attempts.c.started_at >= since_ms)
-                ).scalar_one()
-            )
-
-    def _count_live_attempted(self, *conditions: Any) -> int:
-        """Live operations with at least one attempt that also meet ``conditions``."""
-        with self.read() as conn:
-            query = (
-                select(func.count())
-                .select_from(operations)
-                .where(
-                    operations.c.state.in_(state_values(LIVE_STATES)),
-                    operations.c.first_attempt_at.is_not(None),
-                    *conditions,
-                )
-            )
-            return int(conn.execute(query).scalar_one())
-
-    def keys_near_expiry_by_snapshot(self, expiring_before_ms: int) -> int:
-        """Live, attempted operations whose key (by their policy snapshot) expires
-        before the given time."""
-        return self._count_live_attempted(
-            operations.c.policy_key_retention_ms.is_not(None),
-            operations.c.first_attempt_at + operations.c.policy_key_retention_ms
-            <= expiring_before_ms,
-        )
-
-    def keys_near_expiry(self, endpoint: str, first_attempt_before_ms: int) -> int:
-        """Like :meth:`keys_near_expiry_by_snapshot`, for rows without a snapshot."""
-        return self._count_live_attempted(
-            operations.c.endpoint == endpoint,
-            operations.c.policy_key_retention_ms.is_(None),
-            operations.c.first_attempt_at <= first_attempt_before_ms,
-        )

@@ -21,6 +21,14 @@ from outbox.model import (
     State,
     Verdict,
 )
+from outbox.store.tables import operations
+
+#: "Oldest first", the one order of every operation list (``outbox reconcile list``,
+#: bulk selections, the console's queue and operations pages): by the last change of
+#: state (for the reconciliation queue, entry into it), then by row ID. The index
+#: ``ix_outbox_operations_state_updated`` serves it.
+OLDEST_FIRST = (operations.c.updated_at, operations.c.id)
+NEWEST_FIRST = (operations.c.updated_at.desc(), operations.c.id.desc())
 
 
 @dataclass(frozen=True, slots=True)

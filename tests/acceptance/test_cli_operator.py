@@ -434,9 +434,14 @@ def test_bulk_requeue_dry_run_then_run_counts_refusals_and_audits_each(
     assert dry.stdout.splitlines()[0] == (
         "dry run: requeue: 3 matched, would change 1, refused 2, changed by someone else 0"
     )
-    assert "  refused 2: key retention passed: needs --accept-duplicate-risk" in dry.stdout
-    assert "  op-dark: would change -> pending" in dry.stdout
-    assert "  op-lost (tenant 'globex'): refused: refusing to requeue 'op-lost'" in dry.stdout
+    # Grouped by default; every operation with --verbose.
+    assert dry.stdout.splitlines()[1:] == [
+        "  would change 1 -> pending (op-dark)",
+        "  refused 2: key retention passed: needs --accept-duplicate-risk (op-lost, op-busy)",
+    ]
+    every = run([*bulk, "--dry-run", "--verbose", *db]).stdout
+    assert "  op-dark: would change -> pending" in every
+    assert "  op-lost (tenant 'globex'): refused: refusing to requeue 'op-lost'" in every
     data = json.loads(run([*bulk, "--dry-run", "--json", *db]).stdout)
     assert data["counts"] == {"changed": 1, "refused": 2, "changed_by_someone_else": 0}
     assert data["dry_run"] is True and data["matched"] == 3

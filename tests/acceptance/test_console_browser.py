@@ -107,6 +107,14 @@ def test_sign_in_filter_the_queue_open_an_operation_and_resolve_it(tmp_path: Pat
     with console_process("--db", db_url) as console, chromium_page(javascript=False) as page:
         sign_in(page, console.url, console.token())
         assert page.inner_text(".tile.state-unresolved .n") == "3"
+        # The overview's chart renders without script, within the CSP (no console
+        # error), and its bars add up to the attempts the library counts.
+        chart = page.locator("svg[data-chart=attempts-per-minute]")
+        assert chart.count() == 1
+        bars = page.locator("svg[data-chart=attempts-per-minute] rect[data-n]")
+        total = sum(int(bars.nth(i).get_attribute("data-n")) for i in range(bars.count()))
+        assert total == int(chart.get_attribute("data-total")) > 0
+        page.screenshot(path=str(artifact(tmp_path, "console-overview.png")), full_page=True)
         page.click("nav >> text=Reconciliation queue")
         assert page.inner_text("#total") == "3"
         page.select_option("select[name=reason]", "outcome_unknown")
@@ -120,6 +128,11 @@ def test_sign_in_filter_the_queue_open_an_operation_and_resolve_it(tmp_path: Pat
         explanation = page.inner_text(".explanation")
         assert "may have reached the receiver" in explanation
         assert page.locator("ol.timeline li").count() == 1
+        # The time line: one dot per attempt, and the key's expiry from the snapshot.
+        timeline = page.locator("svg[data-chart=timeline]")
+        assert timeline.count() == 1
+        assert page.locator("svg[data-chart=timeline] circle[data-attempt]").count() == 1
+        assert timeline.get_attribute("data-key-expires")
         page.screenshot(path=str(artifact(tmp_path, "console-op-lost.png")), full_page=True)
         page.check("input[name=outcome][value=succeeded]")
         page.fill("#resolve-note", "reservation found in the receiver's admin")
@@ -190,14 +203,64 @@ def test_a_bulk_action_previews_then_applies_in_the_browser(tmp_path: Path) -> N
         page.fill("details.bulk textarea[name=note]", "supplier confirmed nothing was reserved")
         page.click("button:has-text('Preview')")
         page.wait_for_selector("table.bulk")
-        assert "would apply: 1" in page.inner_text(".summary")
+        assert "would change: 1" in page.inner_text(".summary")
         assert audit_rows(db_url, S.BUSY.operation_id) == []  # the preview wrote nothing
         page.click("button:has-text('Apply to 1')")
         page.wait_for_selector("text=Bulk resolve: done")
-        assert "applied: 1" in page.inner_text(".summary")
+        assert "changed: 1" in page.inner_text(".summary")
     [row] = audit_rows(db_url, S.BUSY.operation_id)
     assert (row["action"], row["to_state"], row["note"]) == (
         "resolve",
         "failed",
         "supplier confirmed nothing was reserved",
     )
+
+
+def test_a_bulk_action_over_1000_operations_in_the_browser(tmp_path: Path) -> None:
+    """1,000 unresolved operations: one preview, the apply in pages with its progress,
+    one audit row per operation with the filters (issue 29). JavaScript off."""
+    import json
+
+    from sqlalchemy import func, select
+
+    from outbox.console.views import BULK_PAGE
+    from outbox.store.tables import audit, operations
+    from tests.integration.test_console_bulk_pages import N, _build
+
+    require_browser()
+    db_url = f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    _build(db_url)
+    progress = []
+    with console_process("--db", db_url) as console, chromium_page(javascript=False) as page:
+        sign_in(page, console.url, console.token())
+        page.goto(console.url + "/queue?tenant=acme")
+        assert page.inner_text("#total") == str(N)
+        page.click("details.bulk summary")
+        page.select_option("details.bulk select[name=action]", "resolve")
+        page.select_option("details.bulk select[name=outcome]", "failed")
+        page.fill("details.bulk textarea[name=note]", "supplier closed")
+        page.click("button:has-text('Preview')")
+        page.wait_for_selector("table.bulk")
+        assert f"would change: {N}" in page.inner_text(".summary")
+        page.screenshot(path=str(artifact(tmp_path, "console-bulk-preview.png")))
+        page.click(f"button:has-text('Apply to {N}')")
+        while True:
+            page.wait_for_selector("#bulk-progress")
+            progress.append(page.inner_text("#bulk-progress"))
+            if page.locator("button:has-text('Continue')").count() == 0:
+                break
+            page.click("button:has-text('Continue')")
+        page.screenshot(path=str(artifact(tmp_path, "console-bulk-done.png")))
+    assert progress == [f"{BULK_PAGE * (i + 1)} of {N} done" for i in range(N // BULK_PAGE)]
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            failed = conn.execute(
+                select(func.count()).select_from(operations).where(operations.c.state == "failed")
+            ).scalar_one()
+            details = conn.execute(select(audit.c.details)).scalars().all()
+    finally:
+        engine.dispose()
+    assert failed == N
+    assert len(details) == N
+    assert all(json.loads(d)["bulk"] == {"tenant": "acme", "view": "queue"} for d in details)

@@ -364,6 +364,8 @@ STATUS_KEYS = {
     "unresolved_by_reason",
     "attempts_last_hour",
     "keys_near_expiry",
+    "keys_expired",
+    "figures",
     "problems",
     "ok",
     "dispatchers",

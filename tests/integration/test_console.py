@@ -9,6 +9,7 @@ the three tables byte-identical.
 from __future__ import annotations
 
 import html
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -561,17 +562,21 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
             "view": "queue",
             "action": "requeue",
             "note": "retry all",
+            "older_than": "0s",
         },
     )
     assert world.rows() == before
+    # The apply form carries the previewed filters, for the audit rows.
+    posted_filters = dict(re.findall(r'name="(filter\.[a-z_]+)" value="([^"]*)"', r.text))
+    assert posted_filters == {"filter.older_than": "0s", "filter.view": "queue"}
     rows = dict(
         re.findall(
-            r'<a href="[^"]+">([^<]+)</a></td>\s*<td>[^<]*</td><td class="num">\d+'
-            r"</td><td>([^<]+)</td>",
+            r'<a href="[^"]+">([^<]+)</a></td>\s*<td>[^<]*</td><td>([^<]+)</td>',
             r.text,
         )
     )
-    assert rows == {op.operation_id: "would apply" for op in S.UNRESOLVED}
+    # The CLI's words: would change, refused, changed by someone else.
+    assert rows == {op.operation_id: "would change" for op in S.UNRESOLVED}
     # Apply, with one operation changed between the preview and the apply.
     all_targets = re.findall(r'name="target" value="([^"]+)"', r.text)
     world.ob.reconcile.resolve(
@@ -585,11 +590,12 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
             "action": "requeue",
             "note": "retry all",
             "target": all_targets,
+            **posted_filters,
         },
     )
     assert r.status_code == 200
     result = html.unescape(r.text)
-    assert "applied: 2" in result and "conflict: 1" in result
+    assert "changed: 2" in result and "changed by someone else: 1" in result
     states = {
         ref.operation_id: world.ob.get(ref.operation_id, tenant=ref.tenant).state.value
         for ref in S.UNRESOLVED
@@ -602,6 +608,13 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
     actors = {(a["operation_id"], a["actor"], a["action"]) for a in world.audit()}
     assert (BUSY.operation_id, "alice", "requeue") in actors
     assert (DARK.operation_id, "alice", "requeue") not in actors
+    # Each audit row records the filters, as the CLI's bulk actions do.
+    rows = [a for a in world.audit() if a["actor"] == "alice" and a["action"] == "requeue"]
+    assert len(rows) == 2
+    for row in rows:
+        details = json.loads(row["details"]) if isinstance(row["details"], str) else row["details"]
+        assert details["bulk"] == {"older_than": "0s", "view": "queue"}
+        assert details["via"] == "console"
 
 
 def test_bulk_refusals_change_nothing(shared: World) -> None:
@@ -623,6 +636,8 @@ def test_bulk_refusals_change_nothing(shared: World) -> None:
         data={"csrf": csrf, "step": "preview", "view": "queue", "action": "cancel", "note": "x"},
     )
     assert "refused: 3" in r.text and 'name="target"' not in r.text
+    # Grouped as the CLI groups them: one line per reason, with the first IDs.
+    assert "<li>refused 3: is unresolved (" in html.unescape(r.text)
     assert shared.rows() == before
 
 
@@ -664,14 +679,14 @@ def test_bulk_probe_previews_then_settles_each_by_the_receivers_answer(
             "/bulk",
             data={"csrf": csrf, "step": "preview", "view": "queue", "action": "probe", "note": ""},
         )
-        assert r.status_code == 200 and "would apply: 2" in r.text
+        assert r.status_code == 200 and "would change: 2" in r.text
         assert S.table_rows(ob.engine) == before
         targets = re.findall(r'name="target" value="([^"]+)"', r.text)
         r = c.post(
             "/bulk",
             data={"csrf": csrf, "step": "apply", "action": "probe", "note": "", "target": targets},
         )
-        assert r.status_code == 200 and "applied: 2" in r.text
+        assert r.status_code == 200 and "changed: 2" in r.text
         assert "resolved_succeeded" in r.text and "requeued" in r.text
         assert ob.get("op-applied").state.value == "succeeded"
         assert ob.get("op-refused").state.value == "pending"

@@ -21,6 +21,9 @@ class Command(BaseCommand):
         parser.add_argument("--once", action="store_true", help="Claim and send one batch.")
         parser.add_argument("--concurrency", type=int, default=None)
         parser.add_argument("--database", default=None, help="The DATABASES alias.")
+        parser.add_argument(
+            "--json", action="store_true", help="The summary as JSON (as `outbox dispatch`)."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -37,4 +40,9 @@ class Command(BaseCommand):
             # One line and the outbox command line's exit codes: 3 the database, 2 usage.
             code = 3 if isinstance(exc, StoreError) else 2
             raise CommandError(str(exc), returncode=code) from exc
-        self.stdout.write(json.dumps(summary.as_dict(), sort_keys=True))
+        # The summary in the words of `outbox dispatch`: key=value, or JSON with --json.
+        data = summary.as_dict()
+        if options["json"]:
+            self.stdout.write(json.dumps(data, sort_keys=True))
+        else:
+            self.stdout.write(" ".join(f"{k}={v}" for k, v in data.items()))
