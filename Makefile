@@ -26,6 +26,10 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir build/site
 
+# The unit tier alone (no process spawned, no server: about 15 s).
+unit: install
+	$(BIN)/python -m pytest tests/unit -m "not soak" $(PYTEST_ARGS)
+
 # The everyday tier: unit, integration, acceptance, faults, security (a few minutes).
 test: lint docs
 	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
