@@ -18,6 +18,7 @@ from sqlalchemy import Connection, bindparam, func, insert, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.model import Delivery, PolicySnapshot, State
+from outbox.store._sqlalchemy import returning_count
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -91,7 +92,7 @@ class DispatchQueries:
     def _claim_built(self) -> tuple[Any, bool]:
         # The statement and whether its rows carry "was" (its last column).
         statement = self._claim_statement()
-        return statement, len(statement._returning) > len(self._CLAIMED_COLUMNS)
+        return statement, returning_count(statement) > len(self._CLAIMED_COLUMNS)
 
     #: In the order of :class:`Claimed`'s fields (``claimed_from_row`` relies on it).
     _CLAIMED_COLUMNS = (
