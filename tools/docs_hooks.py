@@ -4,7 +4,8 @@ tolerates guide pages not written yet.
 * ``architecture.md`` is drawn from ``tests/unit/test_import_layers.py`` (its ``LAYERS``,
   ``FOLDERS`` and ``graph()``), so the map of the layers cannot drift from the code.
 * ``performance.md`` is a table of every ``benchmarks/results/*.json`` (newest first);
-  nothing on it is typed by hand.
+  nothing on it is typed by hand. Local runs are ignored by git; a run copied to
+  ``benchmarks/results/published-<date>.json`` is committed and shown by every build.
 * A ``nav`` entry under ``guide/`` whose file does not exist yet is dropped, so the
   guide pages written on other branches can be listed before they are merged.
 """
@@ -38,9 +39,10 @@ def architecture_markdown() -> str:
     described = dict(layers.FOLDERS)
     edges: dict[tuple[int, int], int] = defaultdict(int)
     modules: dict[int, set[str]] = defaultdict(set)
+    for name in layers.module_names():
+        modules[layers.layer_of(name)].add(name)
     for imp in layers.graph():
         mine, theirs = layers.layer_of(imp.importer), layers.layer_of(imp.imported)
-        modules[mine].add(imp.importer)
         if imp.kind != "lazy" and mine != theirs:
             edges[(mine, theirs)] += 1
     names = [name for name, _ in layers.LAYERS]
@@ -82,12 +84,12 @@ def architecture_markdown() -> str:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:,.1f}"
+        return f"{value:,.2f}" if abs(value) < 10 else f"{value:,.1f}"
     return "" if value is None else str(value)
 
 
-def performance_markdown() -> str:
-    results = sorted((ROOT / "benchmarks" / "results").glob("*.json"), reverse=True)
+def performance_markdown(directory: Path = ROOT / "benchmarks" / "results") -> str:
+    results = sorted(directory.glob("*.json"), reverse=True)
     out = [
         "# Performance",
         "",
@@ -103,10 +105,21 @@ def performance_markdown() -> str:
         meta = data.get("meta", {})
         out += [f"## {path.stem}", ""]
         if meta:
-            out += [
-                ", ".join(f"{k}: `{v}`" for k, v in meta.items() if not isinstance(v, dict)),
-                "",
-            ]
+            flat = {k: v for k, v in meta.items() if not isinstance(v, dict | list)}
+            out += [", ".join(f"{k}: `{v}`" for k, v in flat.items()), ""]
+            if isinstance(meta.get("versions"), dict):
+                out += [
+                    "Versions: " + ", ".join(f"{k} `{v}`" for k, v in meta["versions"].items()),
+                    "",
+                ]
+        if data.get("targets"):
+            out += ["| target | value | goal | met |", "|---|---|---|---|"]
+            for t in data["targets"]:
+                met = "yes" if t.get("met") else "no"
+                out.append(
+                    f"| {t.get('target')} | {_fmt(t.get('value'))} | {t.get('goal')} | {met} |"
+                )
+            out.append("")
         out += ["| measurement | median | unit | runs | n |", "|---|---|---|---|---|"]
         for key, m in sorted(data.get("measurements", {}).items()):
             out.append(
