@@ -402,17 +402,6 @@ class DispatchQueries:
             ],
         )
 
-    def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
-        """Move claimed operations to a state without sending (e.g. window closed).
-
-        A settlement with ``not_sent`` also records one closed, not-sent attempt with
-        that error class and message: the evidence of why it never left.
-        """
-        if not settlements:
-            return set()
-        with self.write() as conn:
-            return self._settle_on(conn, now_ms=now_ms, settlements=settlements)
-
     def _settle_on(
         self, conn: Connection, *, now_ms: int, settlements: Sequence[Settlement]
     ) -> set[int]:
