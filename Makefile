@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint bench soak clean
+.PHONY: install demo test unit docs lint bench soak clean
 
 $(BIN)/outbox: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,16 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The manual, built as CI builds it: any warning (a broken link, a missing page) fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir build/site
+
+# The unit tier alone (no process spawned, no server: about 15 s).
+unit: install
+	$(BIN)/python -m pytest tests/unit -m "not soak" $(PYTEST_ARGS)
+
 # The everyday tier: unit, integration, acceptance, faults, security (a few minutes).
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -m "not soak" $(PYTEST_ARGS)
 
 # The randomized fault soaks and the planted-bug runs (several minutes more). A run

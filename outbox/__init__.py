@@ -34,6 +34,7 @@ from outbox.model import (
     State,
     Verdict,
 )
+from outbox.version import __version__  # the one place the version is written
 
 if _typing.TYPE_CHECKING:
     from outbox.canonical import Intent
@@ -79,8 +80,6 @@ def __getattr__(name: str) -> _typing.Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Attempt",

@@ -474,7 +474,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             from outbox.observe.metrics import OutboxMetrics
         except ImportError as exc:
             raise ConfigurationError(
-                "metrics need prometheus_client: pip install 'outbox[metrics]'"
+                "metrics need prometheus_client: pip install 'http-outbox[metrics]'"
             ) from exc
         try:
             self._metrics = OutboxMetrics(self, registry=registry, cache_seconds=cache_seconds)

@@ -154,7 +154,8 @@ def changed_payload_refused(o: Observed) -> CheckVerdict:
             False,
             f"the same key with a changed payload ({o.changed_how}) was refused with "
             f"{status}, but {how}: its body names no payload or key conflict the outbox "
-            "knows (see the README's classification table, or give the endpoint classify=)",
+            "knows (see the manual's dispatcher guide, 'How answers are read', or give "
+            "the endpoint classify=)",
             evidence,
         )
     return CheckVerdict(

@@ -1,7 +1,7 @@
 """What every ``outbox`` command shares: where the database is, how a failure becomes
 one line and an exit code, and the options that may come before or after the command.
 
-Exit codes (the README's table):
+Exit codes (the table in docs/guide/command-line-and-console.md):
 
 ====  =====================================================================================
 0     done

@@ -86,7 +86,7 @@ def console_command(
         from outbox.console.server import check_bind, serve
     except ImportError as exc:
         raise click.UsageError(
-            f"outbox console needs the console extra: pip install 'outbox[console]' ({exc})"
+            f"outbox console needs the console extra: pip install 'http-outbox[console]' ({exc})"
         ) from exc
     from outbox.reconcile import default_operator
 

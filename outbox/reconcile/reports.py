@@ -179,7 +179,7 @@ class OperationReport:
 
 
 def operation_dict(op: Operation) -> dict[str, Any]:
-    """The stable JSON shape of an operation (documented in the README)."""
+    """The stable JSON shape of an operation (the manual, "JSON shapes")."""
     result = None
     if op.result is not None:
         result = {

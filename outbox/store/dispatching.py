@@ -18,6 +18,7 @@ from sqlalchemy import Connection, bindparam, func, insert, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from outbox.model import Delivery, PolicySnapshot, State
+from outbox.store._sqlalchemy import returning_count
 from outbox.store.fairness import caps_json, next_cursor
 from outbox.store.records import (
     AttemptOutcome,
@@ -100,7 +101,7 @@ class DispatchQueries:
     def _claim_built(self) -> tuple[Any, bool]:
         # The statement and whether its rows carry "was" (its last column).
         statement = self._claim_statement()
-        return statement, len(statement._returning) > len(self._CLAIMED_COLUMNS)
+        return statement, returning_count(statement) > len(self._CLAIMED_COLUMNS)
 
     #: In the order of :class:`Claimed`'s fields (``claimed_from_row`` relies on it).
     _CLAIMED_COLUMNS = (
@@ -418,17 +419,6 @@ class DispatchQueries:
                 for out in mine
             ],
         )
-
-    def settle(self, *, now_ms: int, settlements: Sequence[Settlement]) -> set[int]:
-        """Move claimed operations to a state without sending (e.g. window closed).
-
-        A settlement with ``not_sent`` also records one closed, not-sent attempt with
-        that error class and message: the evidence of why it never left.
-        """
-        if not settlements:
-            return set()
-        with self.write() as conn:
-            return self._settle_on(conn, now_ms=now_ms, settlements=settlements)
 
     def _settle_on(
         self, conn: Connection, *, now_ms: int, settlements: Sequence[Settlement]

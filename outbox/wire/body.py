@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from outbox.wire import _httpx_fast
+
 if TYPE_CHECKING:
     import httpx
 
@@ -154,8 +156,7 @@ async def read_body(response: httpx.Response, *, keep: int, limit: int) -> Body:
     )  # fmt: skip
     if direct is not None:
         # What aiter_raw does around the stream: consumed, bytes counted, closed at the end.
-        response.is_stream_consumed = True
-        response._num_bytes_downloaded = 0
+        _httpx_fast.start_raw_read(response)
         loaded = None
         next_raw: Callable[[], Awaitable[bytes]] = direct.read_raw
     else:
@@ -169,7 +170,7 @@ async def read_body(response: httpx.Response, *, keep: int, limit: int) -> Body:
     unyielded = 0
     while raw := await next_raw():
         if direct is not None:
-            response._num_bytes_downloaded += len(raw)
+            _httpx_fast.count_downloaded(response, len(raw))
         for piece in _decode(decoders, raw) if decoders else (raw,):
             take = piece[: limit - size + 1] if size + len(piece) > limit else piece
             size += len(take)

@@ -4,7 +4,7 @@ Attempts (:func:`outbox.wire.transport.send_attempt`), status lookups
 (:func:`outbox.wire.lookup.lookup_status`) and the conformance checker's probes all send
 through :func:`exchange`, so they share one way of
 
-* building and sending the request (:mod:`outbox.wire.sending`: straight to the client's
+* building and sending the request (:mod:`outbox.wire._httpx_fast`: straight to the client's
   transport when the client has no auth, hooks or cookies, else ``client.send``);
 * reading the body (:func:`outbox.wire.body.read_body`: decoded, bounded, hashed);
 * bounding the time (one ``asyncio.timeout`` around build, send and read, so a receiver
@@ -27,7 +27,7 @@ import httpx
 
 from outbox.classify import Classification
 from outbox.model import Delivery, ErrorClass, Verdict
-from outbox.wire import sending
+from outbox.wire import _httpx_fast as sending
 from outbox.wire.body import Body, read_body
 
 __all__ = ["Exchange", "classify_exception", "clean_message", "exchange"]

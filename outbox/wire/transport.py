@@ -28,6 +28,7 @@ from outbox.classify import (
 from outbox.config import Endpoint
 from outbox.model import Delivery, ErrorClass, Verdict
 from outbox.store.records import StoredResult
+from outbox.wire import _aiohttp
 from outbox.wire.body import ACCEPT_ENCODING, Body, RawStream
 from outbox.wire.exchange import classify_exception, clean_message, exchange
 from outbox.wire.redact import Redactor, secrets_sent
@@ -236,8 +237,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             auto_decompress=False,  # httpx decodes the body
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        session._retry_connection = False  # no silent resend of PUT/DELETE
-        return session
+        return _aiohttp.without_silent_resend(session)  # no silent resend of PUT/DELETE
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         import aiohttp

@@ -7,7 +7,7 @@ Playwright is missing these tests skip with the reason, unless
 
 Screenshots of the operation page are saved under ``OUTBOX_TEST_ARTIFACTS`` (default:
 the test's temporary directory); ``OUTBOX_UPDATE_SCREENSHOT=1`` also writes the one the
-README shows, ``docs/console-operation.png``.
+manual shows (docs/guide/command-line-and-console.md), ``docs/console-operation.png``.
 """
 
 from __future__ import annotations

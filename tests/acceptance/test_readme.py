@@ -1,4 +1,4 @@
-"""Every Python block in README.md runs as written.
+"""Every Python block in README.md and in the manual (docs/**/*.md) runs as written.
 
 The convention, for whoever edits the README:
 
@@ -24,14 +24,24 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+#: The README and every page of the manual (the guides other branches add included).
+SOURCES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    """(line number, source) of every Python block in the README."""
-    text = README.read_text()
-    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in _BLOCK.finditer(text)]
+def python_blocks() -> list[tuple[str, str]]:
+    """("file:line", source) of every Python block in the README and the manual."""
+    found = []
+    for path in SOURCES:
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        found += [
+            (f"{where}:{text.count(chr(10), 0, m.start()) + 1}", m.group(1))
+            for m in _BLOCK.finditer(text)
+        ]
+    return found
 
 
 def is_fragment(source: str) -> bool:
@@ -44,15 +54,17 @@ BLOCKS = python_blocks()
 
 def test_the_readme_has_runnable_python_blocks() -> None:
     assert len([b for b in BLOCKS if not is_fragment(b[1])]) >= 3
+    assert any(where.startswith("docs/") for where, _ in BLOCKS), "the manual's blocks run too"
 
 
-@pytest.mark.parametrize(("line", "source"), BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
-def test_readme_block(line: int, source: str, tmp_path: Path) -> None:
-    compile(source, f"README.md:{line}", "exec")  # fragments too: at least valid Python
+@pytest.mark.parametrize(("line", "source"), BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_readme_block(line: str, source: str, tmp_path: Path) -> None:
+    compile(source, line, "exec")  # fragments too: at least valid Python
     if is_fragment(source):
         return
     is_test = re.search(r"^def test_", source, re.MULTILINE) is not None
-    script = tmp_path / (f"test_readme_{line}.py" if is_test else f"readme_{line}.py")
+    stem = re.sub(r"\W", "_", line)
+    script = tmp_path / (f"test_block_{stem}.py" if is_test else f"block_{stem}.py")
     script.write_text(source)
     argv = [sys.executable, "-W", "error"]
     argv += ["-m", "pytest", "-q", "-p", "no:cacheprovider", script.name] if is_test else [
@@ -68,7 +80,7 @@ def test_readme_block(line: int, source: str, tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, (
-        f"README.md line {line}: the block exited {done.returncode} "
+        f"{line}: the block exited {done.returncode} "
         f"(mark it '# fragment' if it cannot run alone)\n{done.stdout}\n{done.stderr}"
     )
 

@@ -299,7 +299,7 @@ def database(kind: str, directory: Path) -> Iterator[str]:
         admin.dispose()
 
 
-# The stable JSON shapes the CLI and the reports promise (README, "JSON shapes").
+# The stable JSON shapes the CLI and the reports promise (manual, operators guide, "JSON shapes").
 OPERATION_KEYS = {
     "tenant",
     "operation_id",

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from outbox import Endpoint
-from outbox.wire import sending
+from outbox.wire import _httpx_fast as sending
 from outbox.wire.transport import build_client, request_headers
 
 CASES: list[tuple[str, dict[str, str], bytes | None]] = [

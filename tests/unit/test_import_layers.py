@@ -11,22 +11,17 @@ it. Three kinds of import are told apart:
   alembic, or aiohttp/httpx kept off the CLI's start-up path) or of a package module in
   the same or a lower layer, and never one that closes a cycle (that is how a cycle hides).
 
-A further check imports every module on its own, in a fresh interpreter with no
-``outbox`` module loaded before it, so a module that only loads when something else was
-imported first cannot hide either.
+A further check, ``tests/integration/test_import_each.py`` (it starts an interpreter, so
+it is not a unit test), imports every module on its own, so a module that only loads when
+something else was imported first cannot hide either.
 """
 
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 import outbox
 
@@ -281,38 +276,3 @@ def test_the_checks_catch_what_they_are_for() -> None:
     down = Import("outbox.dispatch.dispatcher", "outbox.store.base", "type-checking", 1)
     assert violation(down) is None
     assert layer_of("outbox.config") < layer_of("outbox.store.base") < layer_of("outbox.cli")
-
-
-_IMPORT_EACH = """
-import importlib, json, sys
-results = {}
-for name in json.loads(sys.argv[1]):
-    for loaded in [m for m in sys.modules if m == "outbox" or m.startswith("outbox.")]:
-        del sys.modules[loaded]
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and not (exc.name == "outbox" or exc.name.startswith("outbox.")):
-            results[name] = "extra not installed: " + exc.name
-        else:
-            results[name] = "error: " + repr(exc)
-    except Exception as exc:
-        results[name] = "error: " + repr(exc)
-print(json.dumps(results))
-"""
-
-
-@pytest.mark.timeout(300)
-def test_each_module_imports_on_its_own() -> None:
-    """Each module imported first, with no other ``outbox`` module loaded before it."""
-    names = sorted(module_names())
-    done = subprocess.run(
-        [sys.executable, "-c", _IMPORT_EACH, json.dumps(names)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=280,
-    )
-    results: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
-    errors = {name: why for name, why in results.items() if why.startswith("error")}
-    assert not errors, errors

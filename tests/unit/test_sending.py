@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from outbox import Endpoint
-from outbox.wire import sending
+from outbox.wire import _httpx_fast as sending
 from outbox.wire.transport import build_client
 
 HEADERS = {

@@ -1,5 +1,10 @@
 """httpx requests without httpx's per-request bookkeeping, where nothing needs it.
 
+The one home of every use of httpx's private surface (``AsyncClient._transport_for_url``,
+``Response._num_bytes_downloaded``, the header merge of ``Headers.update`` and
+``Request._prepare`` re-done here); ``tests/unit/test_dependency_contracts.py`` fails
+loudly when an httpx release changes what is relied on.
+
 The dispatcher sends through an ``httpx.AsyncClient`` (httpx stays the vocabulary:
 ``httpx.Auth``, event hooks, ``transport_factory``), but a profile shows httpx's own
 models costing about a quarter of the event loop per request. Two shortcuts, each
@@ -135,3 +140,14 @@ async def send(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Respo
     response = await transport.handle_async_request(request)
     response.request = request
     return response
+
+
+def start_raw_read(response: httpx.Response) -> None:
+    """What ``Response.aiter_raw`` does before reading: consumed, no byte counted yet."""
+    response.is_stream_consumed = True
+    response._num_bytes_downloaded = 0
+
+
+def count_downloaded(response: httpx.Response, size: int) -> None:
+    """What ``Response.aiter_raw`` does per chunk: ``num_bytes_downloaded`` grows."""
+    response._num_bytes_downloaded += size

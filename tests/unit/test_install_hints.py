@@ -1,0 +1,35 @@
+"""Every ``pip install`` hint names the distribution, ``http-outbox``.
+
+The distribution called ``outbox`` on the package index is an unrelated project: a hint
+``pip install 'outbox[metrics]'`` would install someone else's code.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_WRONG = re.compile(r"pip install\s+['\"]?outbox(\[|\b)")
+
+
+def _files() -> list[Path]:
+    found = [ROOT / "README.md", *sorted((ROOT / "outbox").rglob("*.py"))]
+    found += sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "examples").rglob("*"))
+    return [p for p in found if p.is_file() and p.suffix in {".md", ".py"}]
+
+
+def test_no_hint_installs_the_unrelated_outbox_distribution() -> None:
+    wrong = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in _files()
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if _WRONG.search(line)
+    ]
+    assert wrong == [], f"pip install hints naming 'outbox' instead of 'http-outbox': {wrong}"
+
+
+def test_the_pattern_catches_the_wrong_name() -> None:
+    assert _WRONG.search("pip install 'outbox[metrics]'")
+    assert _WRONG.search("pip install outbox")
+    assert not _WRONG.search("pip install 'http-outbox[metrics]'")
