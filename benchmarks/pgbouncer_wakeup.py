@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--poll", type=float, default=5.0)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="outbox-bench-pgb-"))
-    root.chmod(0o755)  # noqa: S103 (pgbouncer may run as postgres)
+    root.chmod(0o755)  # pgbouncer may run as postgres
     bouncer = _start(root / "b")
     schema = f"pgb_{uuid.uuid4().hex[:12]}"
     admin = create_engine(POSTGRES_URL)
