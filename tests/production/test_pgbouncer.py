@@ -162,3 +162,24 @@ def test_without_listen_url_one_warning_then_poll(
     assert status.returncode == 0, status.stderr
     modes = [d["wake_mode"] for d in json.loads(status.stdout)["dispatchers"]]
     assert modes == ["poll"], status.stdout
+
+
+def test_console_serves_through_pgbouncer(place: Place, receiver: Receiver) -> None:
+    pytest.importorskip("starlette")
+    import httpx
+
+    from tests.acceptance._console_proc import console_process
+
+    _migrate(place)
+    ob = _outbox(place.pooled, receiver)
+    try:
+        ob.enqueue(endpoint="a", method="POST", path="/o", json={}, operation_id="seen-in-console")
+    finally:
+        ob.close()
+    with console_process("--db", place.pooled) as console:
+        token = console.token()
+        with httpx.Client(base_url=console.url, follow_redirects=True) as http:
+            r = http.post("/login", data={"token": token, "next": "/queue"})
+            assert r.status_code == 200, r.text[:300]
+            page = http.get("/operation?tenant=&id=seen-in-console")
+            assert page.status_code == 200 and "seen-in-console" in page.text
