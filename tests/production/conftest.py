@@ -81,7 +81,9 @@ class Bouncer:
         return (self.directory / "pgbouncer.log").read_text(errors="replace")
 
 
-def _start(directory: Path, extra: str = "") -> Bouncer:
+def _start(
+    directory: Path, extra: str = "", ignore: str = "extra_float_digits,options"
+) -> Bouncer:
     directory.mkdir(parents=True, exist_ok=True)
     server = make_url(POSTGRES_URL)
     port = free_port()
@@ -98,7 +100,7 @@ def _start(directory: Path, extra: str = "") -> Bouncer:
         "pool_mode = transaction\n"
         "default_pool_size = 10\nmax_client_conn = 200\n"
         # psycopg sends none of these; a driver that does must not be refused.
-        "ignore_startup_parameters = extra_float_digits,options\n"
+        f"ignore_startup_parameters = {ignore}\n"
         "server_reset_query = DISCARD ALL\n"
         f"{extra}"
     )
@@ -131,7 +133,11 @@ def bouncers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Bou
     # postgres (see _start).
     root = Path(tempfile.mkdtemp(prefix="outbox-pgbouncer-"))
     os.chmod(root, 0o755)  # noqa: S103 (postgres must reach its dir)
-    started = {"plain": _start(root / "plain")}
+    started = {
+        "plain": _start(root / "plain"),
+        # pgbouncer's default: the options startup parameter is refused.
+        "strict": _start(root / "strict", ignore="extra_float_digits"),
+    }
     if pgbouncer_version() >= (1, 21):
         started["prepared"] = _start(root / "prepared", "max_prepared_statements = 100\n")
     try:

@@ -20,7 +20,7 @@ import pytest
 
 from outbox import DispatcherSettings, Endpoint, Outbox, State
 from outbox.testing.receiver import Receiver
-from tests.production.conftest import Place
+from tests.production.conftest import Bouncer, Place
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.production.pgb_app:outbox"
@@ -183,3 +183,26 @@ def test_console_serves_through_pgbouncer(place: Place, receiver: Receiver) -> N
             assert r.status_code == 200, r.text[:300]
             page = http.get("/operation?tenant=&id=seen-in-console")
             assert page.status_code == 200 and "seen-in-console" in page.text
+
+
+def test_schema_option_refused_by_pgbouncer_names_the_fix(
+    bouncers: dict[str, Bouncer], place: Place
+) -> None:
+    if not place.pooled.endswith("_tx"):
+        pytest.skip("one pooling mode is enough: the refusal is at connect")
+    strict = bouncers["strict"]
+    name = place.pooled.rsplit("/", 1)[1]
+    strict.add(name, place.schema, "transaction")
+    done = cli("--db", strict.url(name, place.schema), "--schema", place.schema, "migrate")
+    assert done.returncode == 3, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "ALTER ROLE" in line and "search_path" in line, line
+    from sqlalchemy import create_engine, text
+
+    direct = create_engine(place.direct)
+    with direct.connect() as conn:
+        tables = conn.execute(
+            text("SELECT count(*) FROM pg_tables WHERE schemaname = :s"), {"s": place.schema}
+        ).scalar_one()
+    direct.dispose()
+    assert tables == 0  # nothing was written
