@@ -430,6 +430,12 @@ class DispatcherSettings:
     wake_on_change: bool = True
     #: SQLite: how often the ``data_version`` check runs (enqueues by other processes).
     change_check_seconds: float = 0.005
+    #: PostgreSQL: a direct connection URL used only for ``LISTEN`` (the dispatcher's other
+    #: connections may go through pgbouncer in transaction pooling, where LISTEN cannot
+    #: work). None: listen on the store's own URL. If LISTEN cannot work there (a NOTIFY
+    #: to itself does not arrive within a second at start-up) the dispatcher logs one
+    #: ``listen_unavailable`` warning naming this setting and polls.
+    listen_url: str | None = None
     #: Identifies this dispatcher in attempts and leases (default: host:pid:random).
     dispatcher_id: str | None = None
     #: How often a running dispatcher writes its heartbeat row (``outbox status``).

@@ -53,6 +53,13 @@ from outbox.cli.root import _emit_json, err, json_option, main, out
     default=None,
     help="Run N dispatcher processes under a supervisor (restarts, SIGTERM drains all).",
 )
+@click.option(
+    "--listen-url",
+    envvar="OUTBOX_LISTEN_URL",
+    default=None,
+    help="PostgreSQL: a direct connection used only for LISTEN wake-ups, when --db goes "
+    "through pgbouncer in transaction pooling (or OUTBOX_LISTEN_URL).",
+)
 @json_option
 def dispatch(
     obj: Context,
@@ -62,6 +69,7 @@ def dispatch(
     metrics_port: int | None,
     metrics_host: str,
     processes: int | None,
+    listen_url: str | None,
     as_json: bool,
 ) -> None:
     """Run the dispatcher. SIGTERM or Ctrl-C: stop claiming, finish in-flight work, exit 0."""
@@ -87,13 +95,17 @@ def dispatch(
                 "--metrics-port and --processes do not go together: each process would "
                 "need its own port"
             )
-        _supervise(obj, processes, concurrency, as_json)
+        _supervise(obj, processes, concurrency, as_json, listen_url)
         return
     from outbox.dispatch.supervise import catch_sigterm_early
 
     # Before loading the application: a SIGTERM during start-up stops us cleanly.
     stop = None if once or until_empty else catch_sigterm_early()
     ob = _open_waiting_for_database(obj, stop)
+    if listen_url is not None:
+        import dataclasses
+
+        ob.dispatcher_settings = dataclasses.replace(ob.dispatcher_settings, listen_url=listen_url)
     if not ob.endpoints:
         raise click.UsageError(f"--app {obj.app} registers no endpoint: nothing can be sent")
     server = None
@@ -126,7 +138,9 @@ def dispatch(
         out.print(" ".join(f"{k}={v}" for k, v in summary.as_dict().items()))
 
 
-def _supervise(obj: Context, processes: int, concurrency: int | None, as_json: bool) -> None:
+def _supervise(
+    obj: Context, processes: int, concurrency: int | None, as_json: bool, listen_url: str | None
+) -> None:
     from outbox.dispatch.supervise import Supervisor
 
     # Fail here, once, on what every child would fail on (a bad module, no endpoint).
@@ -136,6 +150,8 @@ def _supervise(obj: Context, processes: int, concurrency: int | None, as_json: b
     command = [sys.executable, "-m", "outbox.cli", *_child_args(obj), "dispatch", "--json"]
     if concurrency is not None:
         command += ["--concurrency", str(concurrency)]
+    if listen_url is not None:
+        command += ["--listen-url", listen_url]
     supervisor = Supervisor(command, processes)
     report = supervisor.run()
     if as_json:

@@ -190,7 +190,7 @@ def _render_watch(watch: Watch) -> None:
         out.print("dispatchers: none seen (`outbox dispatch` writes a heartbeat every few seconds)")
         return
     table = Table(title=f"dispatchers ({len(watch.live)} live)")
-    for column in ("id", "state", "host", "pid", "in flight", "last seen", "started"):
+    for column in ("id", "state", "host", "pid", "in flight", "wake", "last seen", "started"):
         table.add_column(column)
     for d in watch.dispatchers:
         row = d.as_dict()
@@ -200,6 +200,7 @@ def _render_watch(watch: Watch) -> None:
             d.row.host,
             str(d.row.pid),
             f"{d.row.in_flight}/{d.row.concurrency}",
+            d.row.wake_mode or "",
             f"{d.last_seen_seconds_ago:.1f}s ago",
             row["started_at"] or "",
         )

@@ -312,7 +312,7 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
             # The store said what it was doing ("cannot read URL"); the operator needs
             # to know the database is not reachable at all.
             orig = cause.orig if cause.orig is not None else cause
-            return EXIT_STORE, f"cannot connect to the database {obj.where()}: {_one_line(orig)}"
+            return EXIT_STORE, _cannot_connect(obj.where(), _one_line(orig))
         return EXIT_STORE, _one_line(exc)
     if isinstance(exc, OutboxError):
         return EXIT_REFUSED, _one_line(exc)
@@ -330,7 +330,7 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
     if isinstance(exc, DBAPIError):
         cause = exc.orig if exc.orig is not None else exc
         if exc.connection_invalidated or _is_connect(exc):
-            return EXIT_STORE, f"cannot connect to the database {obj.where()}: {_one_line(cause)}"
+            return EXIT_STORE, _cannot_connect(obj.where(), _one_line(cause))
         return EXIT_STORE, f"database error at {obj.where()}: {_one_line(cause)}"
     if isinstance(exc, SQLAlchemyError):
         return EXIT_STORE, f"database error at {obj.where()}: {_one_line(exc)}"
@@ -475,3 +475,16 @@ class DurationType(click.ParamType):  # type: ignore[type-arg]
 
 
 DURATION = DurationType()
+
+
+def _cannot_connect(where: str, detail: str) -> str:
+    message = f"cannot connect to the database {where}: {detail}"
+    if "unsupported startup parameter" in detail and "options" in detail:
+        # pgbouncer refuses libpq's options (how --schema sets the search_path).
+        message += (
+            " (pgbouncer refuses the options startup parameter that --schema and "
+            "?options= use: set the schema on the role instead, ALTER ROLE name SET "
+            "search_path = schema, and drop --schema)"
+        )
+    return message
+

@@ -130,12 +130,18 @@ class Dispatcher:
             store.change_source(
                 application_name=f"outbox-listener {self.dispatcher_id}",
                 interval=settings.change_check_seconds,
+                listen_url=settings.listen_url,
             )
             if settings.wake_on_change
             else None,
             clock=clock,
             poll_seconds=settings.idle_poll_seconds,
         )
+
+    @property
+    def wake_mode(self) -> str:
+        """"listen", "poll" or "starting": see :attr:`Wakeup.mode`."""
+        return self.wakeup.mode
 
     # -- plumbing -----------------------------------------------------------------
 

@@ -45,6 +45,7 @@ async def beat(dispatcher: RunningDispatcher) -> None:
                 in_flight=dispatcher.in_flight,
                 started_at_ms=started_at,
                 now_ms=now,
+                wake_mode=dispatcher.wake_mode,
             )
             if beats % _PRUNE_EVERY_BEATS == 0:
                 await dispatcher.run_db(

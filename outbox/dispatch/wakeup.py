@@ -47,6 +47,8 @@ class WakeStats:
     listening: int = 0
     #: Listener connections lost.
     listener_lost: int = 0
+    #: The start-up check found that LISTEN cannot work here (the dispatcher polls).
+    listen_unavailable: int = 0
     #: Idle waits ended by a known due time.
     due: int = 0
     #: Idle waits ended by the safety-net poll.
@@ -92,6 +94,16 @@ class Wakeup:
     def active(self) -> bool:
         """Whether a signal source runs (False: the poll and due times alone)."""
         return self._task is not None
+
+    @property
+    def mode(self) -> str:
+        """How this dispatcher wakes: "listen" (signals arrive), "starting" (the source
+        has not confirmed yet), "poll" (the safety-net poll and due times only)."""
+        if self.source is None or self.stats.listen_unavailable:
+            return "poll"
+        if self._task is not None and self._task.done():
+            return "poll"
+        return "listen" if self.stats.listening else "starting"
 
     def _event(self, name: str) -> None:
         self.stats.count(name)

@@ -45,6 +45,9 @@ class RunningDispatcher(Protocol):
     @property
     def db_answered_at(self) -> float | None: ...
 
+    @property
+    def wake_mode(self) -> str: ...
+
     async def run_db(self, fn: Callable[..., _T], /, **kwargs: Any) -> _T: ...
 
 

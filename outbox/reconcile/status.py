@@ -47,6 +47,7 @@ class DispatcherInfo:
             "last_seen_at": ms_to_iso(r.last_seen_at_ms),
             "last_seen_seconds_ago": round(self.last_seen_seconds_ago, 3),
             "stopped_at": ms_to_iso(r.stopped_at_ms),
+            "wake_mode": r.wake_mode,
         }
 
 

@@ -71,7 +71,9 @@ class ChangeSignals:
     def announce(self) -> None:
         """Tell this process's dispatchers that a transaction of ours just committed work."""
 
-    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
+    def change_source(
+        self, *, application_name: str, interval: float, listen_url: str | None = None
+    ) -> ChangeSource | None:
         """What wakes an idle dispatcher of this database, or None: poll only."""
         return None
 
@@ -92,31 +94,50 @@ def notify_column(endpoint: ColumnElement[Any]) -> ColumnElement[Any]:
 
 
 class PostgresListener:
-    """One dedicated psycopg connection that LISTENs on the outbox's channel."""
+    """One dedicated psycopg connection that LISTENs on the outbox's channel.
 
-    def __init__(self, engine: Engine, *, application_name: str) -> None:
-        _args, kwargs = engine.dialect.create_connect_args(engine.url)
-        kwargs.pop("context", None)
-        kwargs["application_name"] = application_name[:63]
-        self._kwargs = kwargs
-        self.application_name = kwargs["application_name"]
+    ``listen_url``: connect there for LISTEN (a direct server connection, when the
+    store's URL goes through pgbouncer in transaction pooling). At the first connect the
+    listener checks that LISTEN works: a notification sent through the store's own URL
+    (the writers' path) must arrive within :data:`PROBE_SECONDS`. If it does not, it
+    logs one ``listen_unavailable`` warning naming ``listen_url``, reports
+    "listen_unavailable" and ends: the dispatcher polls.
+    """
+
+    def __init__(
+        self, engine: Engine, *, application_name: str, listen_url: str | None = None
+    ) -> None:
+        self._kwargs = _connect_kwargs(engine, None, application_name)
+        self._listen_kwargs = _connect_kwargs(engine, listen_url, application_name)
+        self.listen_url = listen_url
+        self.application_name = self._kwargs["application_name"]
         #: The server process of the current listening connection (None between them).
         self.backend_pid: int | None = None
+        self._probed = False
 
     async def _connect(self) -> Any:
         import psycopg
         from psycopg import sql
 
-        conn = await psycopg.AsyncConnection.connect(autocommit=True, **self._kwargs)
+        # The channel as the writers compute it, in a session like theirs.
+        writer = await psycopg.AsyncConnection.connect(autocommit=True, **self._kwargs)
         try:
-            # The same expression the writers use, in this session: the same schema.
-            cur = await conn.execute(_CHANNEL_SQL)
+            cur = await writer.execute(_CHANNEL_SQL)
             row = await cur.fetchone()
             channel = str(row[0]) if row else "outbox_"
-            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-        except BaseException:
-            await conn.close()
-            raise
+            conn = await psycopg.AsyncConnection.connect(autocommit=True, **self._listen_kwargs)
+            try:
+                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                if not self._probed:
+                    if not await _probe(conn, writer, channel):
+                        await conn.close()
+                        return None
+                    self._probed = True
+            except BaseException:
+                await conn.close()
+                raise
+        finally:
+            await _close_quietly(writer)
         return conn
 
     async def run(self, wake: Wake, report: Report) -> None:
@@ -127,6 +148,20 @@ class PostgresListener:
             conn = None
             try:
                 conn = await self._connect()
+                if conn is None:
+                    _logger().warning(
+                        "listen_unavailable",
+                        detail=(
+                            "a NOTIFY sent through the database URL did not reach the "
+                            f"listening connection within {PROBE_SECONDS:g} s (pgbouncer "
+                            "in transaction pooling?); set listen_url (outbox dispatch "
+                            "--listen-url, OUTBOX_LISTEN_URL) to a direct connection. "
+                            "Polling instead."
+                        ),
+                        listen_url_set=self.listen_url is not None,
+                    )
+                    report("listen_unavailable")
+                    return
                 self.backend_pid = conn.info.backend_pid
                 backoff = 0.0
                 wake("listening")  # notifications sent while we were away are lost
@@ -148,6 +183,36 @@ class PostgresListener:
                 if conn is not None:
                     await _close_quietly(conn)
             await asyncio.sleep(backoff)
+
+
+#: How long the start-up check waits for its own notification.
+PROBE_SECONDS = 1.0
+
+
+def _connect_kwargs(engine: Engine, url: str | None, application_name: str) -> dict[str, Any]:
+    from sqlalchemy.engine import make_url
+
+    target = engine.url if url is None else make_url(url)
+    _args, kwargs = engine.dialect.create_connect_args(target)
+    kwargs.pop("context", None)
+    if url is not None:
+        # The store's connect options (timeouts, keepalives; the schema's search_path)
+        # unless the listen URL names its own.
+        _a, base = engine.dialect.create_connect_args(engine.url)
+        for key in ("connect_timeout", "keepalives", "keepalives_idle", "options"):
+            if key in base and key not in kwargs:
+                kwargs[key] = base[key]
+    kwargs["application_name"] = application_name[:63]
+    return dict(kwargs)
+
+
+async def _probe(conn: Any, writer: Any, channel: str) -> bool:
+    """Whether a notification the writer sends reaches ``conn`` within the probe time."""
+    await writer.execute("SELECT pg_notify(%s, '')", (channel,))
+    gen = conn.notifies(timeout=PROBE_SECONDS, stop_after=1)
+    async for _note in gen:
+        return True
+    return False
 
 
 _CHANNEL_SQL = "SELECT left('outbox_' || current_schema(), 63)"

@@ -34,6 +34,8 @@ class DispatcherRow:
     started_at_ms: int
     last_seen_at_ms: int
     stopped_at_ms: int | None
+    #: "listen", "poll" or "starting" (None: a dispatcher older than this column).
+    wake_mode: str | None = None
 
 
 @dataclass
@@ -217,6 +219,7 @@ def heartbeat(
     in_flight: int,
     started_at_ms: int,
     now_ms: int,
+    wake_mode: str | None = None,
 ) -> None:
     """Write the dispatcher's row: created by its first heartbeat, updated by the next."""
     d = dispatchers
@@ -224,7 +227,9 @@ def heartbeat(
         changed = conn.execute(
             update(d)
             .where(d.c.id == dispatcher_id)
-            .values(last_seen_at=now_ms, in_flight=in_flight, stopped_at=None)
+            .values(
+                last_seen_at=now_ms, in_flight=in_flight, stopped_at=None, wake_mode=wake_mode
+            )
         ).rowcount
         if changed == 0:
             conn.execute(
@@ -238,6 +243,7 @@ def heartbeat(
                     started_at=started_at_ms,
                     last_seen_at=now_ms,
                     stopped_at=None,
+                    wake_mode=wake_mode,
                 )
             )
 
@@ -275,6 +281,7 @@ def list_dispatchers(store: Store) -> list[DispatcherRow]:
             started_at_ms=r.started_at,
             last_seen_at_ms=r.last_seen_at,
             stopped_at_ms=r.stopped_at,
+            wake_mode=r.wake_mode,
         )
         for r in rows
     ]

@@ -267,8 +267,12 @@ class PostgresStore(Store):
     def _signal_on(self, conn: Connection) -> None:
         conn.execute(select(notify_column(literal(""))))
 
-    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
-        return PostgresListener(self.engine, application_name=application_name)
+    def change_source(
+        self, *, application_name: str, interval: float, listen_url: str | None = None
+    ) -> ChangeSource | None:
+        return PostgresListener(
+            self.engine, application_name=application_name, listen_url=listen_url
+        )
 
     def _insert_marks(self) -> tuple[Any, ...]:
         # The ID the INSERT assigns its transaction anyway.

@@ -118,7 +118,9 @@ class SqliteStore(Store):
     def announce(self) -> None:
         announce_change(self._wake_key)
 
-    def change_source(self, *, application_name: str, interval: float) -> ChangeSource | None:
+    def change_source(
+        self, *, application_name: str, interval: float, listen_url: str | None = None
+    ) -> ChangeSource | None:
         path = sqlite_path(self.engine.url)
         return SqliteWatch(path, interval=interval) if path is not None else None
 

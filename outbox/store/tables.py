@@ -199,6 +199,7 @@ dispatchers = Table(
     Column("started_at", BigInteger, nullable=False),
     Column("last_seen_at", BigInteger, nullable=False),
     Column("stopped_at", BigInteger, nullable=True),
+    Column("wake_mode", String(16), nullable=True),
 )
 Index("ix_outbox_dispatchers_last_seen_at", dispatchers.c.last_seen_at)
 

@@ -93,7 +93,11 @@ def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Sh
     assert shop.query("SELECT version_num FROM outbox_alembic_version") == [(HEAD,)]
     assert shop.query(
         "SELECT app, name FROM django_migrations WHERE app = 'outbox' ORDER BY name"
-    ) == [("outbox", "0001_outbox_schema"), ("outbox", "0002_claim_order")]
+    ) == [
+        ("outbox", "0001_outbox_schema"),
+        ("outbox", "0002_claim_order"),
+        ("outbox", "0003_outbox_wake_mode"),
+    ]
     out = shop.outbox("--db", shop.url, "migrate").stdout
     assert f"(was {HEAD})" in out
     if shop.url.startswith("sqlite"):
@@ -107,7 +111,11 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
     assert shop.operations() == []
     assert shop.query(
         "SELECT app, name FROM django_migrations WHERE app = 'outbox' ORDER BY name"
-    ) == [("outbox", "0001_outbox_schema"), ("outbox", "0002_claim_order")]
+    ) == [
+        ("outbox", "0001_outbox_schema"),
+        ("outbox", "0002_claim_order"),
+        ("outbox", "0003_outbox_wake_mode"),
+    ]
 
 
 def test_model_and_operation_commit_together_or_not_at_all(shop: Shop) -> None:

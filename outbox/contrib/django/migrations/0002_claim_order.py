@@ -1,4 +1,4 @@
-"""The outbox schema to revision 0004 (priority, not_before and the fair claim's
+"""The outbox schema to revision 0003 (priority, not_before and the fair claim's
 indexes), through the outbox's own Alembic migrations, on Django's connection."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from django.db import migrations
 
 #: The outbox schema revision this Django migration brings the database to.
-OUTBOX_REVISION = "0004"
+OUTBOX_REVISION = "0003"
 
 
 def apply(apps: Any, schema_editor: Any) -> None:

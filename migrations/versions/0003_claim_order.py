@@ -8,7 +8,7 @@
 * ``ix_outbox_operations_tenant_in_flight``: in-flight rows per (tenant, endpoint), for
   the per-tenant in-flight limit.
 
-Revision ID: 0004
+Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-01
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0004"
+revision: str = "0003"
 down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
