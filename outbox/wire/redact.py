@@ -17,8 +17,14 @@ import base64
 import binascii
 import re
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from outbox.canonical import CREDENTIAL_HEADERS
+
+if TYPE_CHECKING:
+    import httpx
+
+    from outbox.config import Endpoint
 
 REDACTED = "[REDACTED]"
 #: Header values shorter than this are not treated as secrets unless named as secrets
@@ -115,3 +121,26 @@ def secrets_sent(
             password = decoded.partition(":")[2]
             found.extend(v for v in (decoded, password) if len(v) >= _MIN_NAMED)
     return found
+
+
+def request_redactor(
+    endpoint: Endpoint,
+    headers: Mapping[str, str],
+    sent: httpx.Request | None = None,
+    *,
+    public: Iterable[str] = (),
+    secret_names: Iterable[str] = (),
+) -> Redactor:
+    """The one redactor for everything one exchange stores or shows: its body, its
+    headers and its error text (a parser error quotes the raw bytes it choked on).
+    ``headers``: those handed to the exchange; ``sent``: the request that went out,
+    when known (an ``httpx.Auth`` may have added credentials of its own making)."""
+    items = list(headers.items())
+    if sent is not None:
+        items.extend(sent.headers.multi_items())
+    identity = [endpoint.idempotency_header, endpoint.request_id_header]
+    if endpoint.tenant_header:
+        identity.append(endpoint.tenant_header)
+    return Redactor(
+        secrets_sent(items, public=[*public, *identity], secret_names=secret_names)
+    )
