@@ -112,6 +112,9 @@ class Exchange:
     elapsed_ms: int
     #: Not sent: the path would leave the client's base URL (``home_only``).
     refused: bool = False
+    #: Not sent: the request failed before its first byte could be written (building
+    #: it raised: an auth callable, a header the transport cannot encode, ...).
+    unsent: bool = False
 
     @property
     def status(self) -> int | None:
@@ -147,6 +150,8 @@ class Exchange:
         answer for the exception. A deadline that fired after the status line arrived
         is "unknown" whatever anyone says: the request was sent."""
         assert self.error is not None
+        if self.unsent:
+            return Classification(Verdict.RETRY, Delivery.NOT_SENT)
         classification = override or classify_exception(self.error)
         if self.timed_out and self.response is not None:
             return Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True)
@@ -191,11 +196,13 @@ async def exchange(
     started = time.monotonic()
     request: httpx.Request | None = None
     response: httpx.Response | None = None
+    sending_started = False
     try:
         async with asyncio.timeout(deadline_seconds):
             request = sending.build_request(client, method, path, headers=headers, content=content)
             if home_only and not _stays_home(client, request, path):
                 return Exchange(request, None, None, None, deadline_seconds, 0, refused=True)
+            sending_started = True
             response = await sending.send(client, request)
             try:
                 body = await read_body(response, keep=keep, limit=limit)
@@ -203,6 +210,7 @@ async def exchange(
                 await response.aclose()
     except Exception as exc:
         elapsed_ms = int((time.monotonic() - started) * 1000)
-        return Exchange(request, response, None, exc, deadline_seconds, elapsed_ms)
+        return Exchange(request, response, None, exc, deadline_seconds, elapsed_ms,
+                        unsent=not sending_started)  # fmt: skip
     elapsed_ms = int((time.monotonic() - started) * 1000)
     return Exchange(request, response, body, None, deadline_seconds, elapsed_ms)

@@ -412,6 +412,20 @@ def _httpx_headers(
     return dict(headers.multi_items())
 
 
+def unbuilt_attempt(exc: Exception) -> AttemptResult:
+    """The attempt whose request could not be built (an auth callable raised, a stored
+    value the transport cannot encode): nothing left, so it is ``not_sent``."""
+    return AttemptResult(
+        classification=Classification(Verdict.RETRY, Delivery.NOT_SENT),
+        status_code=None,
+        receiver_request_id=None,
+        error_class=type(exc).__name__,
+        error_message=clean_message(f"not sent: the request could not be built: {exc}"),
+        duration_ms=0,
+        result=None,
+    )
+
+
 async def send_attempt(
     client: httpx.AsyncClient,
     endpoint: Endpoint,
@@ -543,6 +557,7 @@ __all__ = [
     "is_key_mismatch",
     "request_headers",
     "send_attempt",
+    "unbuilt_attempt",
 ]
 
 
