@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from outbox.errors import ValidationError
 
@@ -110,6 +111,16 @@ def _encodable(text: str) -> bool:
     return True
 
 
+def leaves_base(path: str) -> bool:
+    """``path`` has a dot segment (RFC 3986 §5.2.4): ``.`` or ``..``, also spelled
+    percent-encoded (``%2e%2e``), with ``;`` parameters (``..;x``) or backslashes.
+    A stored path is relative to the endpoint's base path and must stay under it;
+    removing dot segments could climb out of it, so no path may have one."""
+    # Decoded first: %2f and %5c (an encoded slash or backslash) separate segments too.
+    decoded = unquote(path.split("?", 1)[0]).replace("\\", "/")
+    return any(segment.split(";", 1)[0] in (".", "..") for segment in decoded.split("/"))
+
+
 def _check_path(path: object) -> str:
     if not isinstance(path, str) or not path.startswith("/") or path.startswith("//"):
         raise ValidationError(
@@ -117,6 +128,11 @@ def _check_path(path: object) -> str:
         )
     if len(path) > 2048:
         raise ValidationError("path is longer than 2048 characters")
+    if leaves_base(path):
+        raise ValidationError(
+            f"path must stay under the endpoint's base path: no '.' or '..' segments "
+            f"(also percent-encoded or with ';' parameters), got {path!r}"
+        )
     if not _encodable(path):
         raise ValidationError(f"path contains a lone surrogate, which cannot be sent: {path!r}")
     if _CONTROL.search(path) or " " in path or "#" in path or "\\" in path:

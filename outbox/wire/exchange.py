@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from outbox.canonical import leaves_base
 from outbox.classify import Classification
 from outbox.model import Delivery, ErrorClass, Verdict
 from outbox.wire import sending
@@ -82,12 +83,17 @@ def classify_exception(exc: BaseException) -> Classification:
 
 
 def _stays_home(client: httpx.AsyncClient, request: httpx.Request, path: str) -> bool:
+    """The request goes to the client's scheme and host, under its base path (checked
+    again at send: a tampered row must not climb out with ``..`` or ``%2e%2e``)."""
     base = client.base_url
+    base_path = base.raw_path.split(b"?", 1)[0].rstrip(b"/") + b"/"
     return (
         path.startswith("/")
         and not path.startswith("//")
         and "\\" not in path
+        and not leaves_base(path)
         and (request.url.scheme, request.url.netloc) == (base.scheme, base.netloc)
+        and request.url.raw_path.startswith(base_path)
     )
 
 
