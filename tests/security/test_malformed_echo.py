@@ -142,3 +142,54 @@ async def _lookup(url: str) -> LookupResult:
 def test_userinfo_in_base_url_is_refused_naming_auth() -> None:
     with pytest.raises(ConfigurationError, match="auth="):
         _endpoint("http://svc:pw@127.0.0.1:9")
+
+
+def _spellings(tok: bytes) -> list[bytes]:
+    import base64
+    import html
+    import json
+    from urllib.parse import quote, quote_plus
+
+    value = "Bearer " + tok.decode()
+    out = []
+    for s in (value, tok.decode()):
+        out += [quote(s, safe=""),
+                re.sub("%[0-9A-F]{2}", lambda m: m.group(0).lower(), quote(s, safe="")),
+                quote_plus(s, safe=""),
+                html.escape(s), json.dumps(json.dumps(s))[3:-3],
+                base64.b64encode(s.encode()).decode()]  # fmt: skip
+    return [o.encode() for o in out]
+
+
+def _spelled_echo(tok: bytes) -> bytes:
+    body = b"echo: " + b" | ".join(_spellings(tok))
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+SPELLED = "tok/PLANTED+é&\"x<9f8e7d6c"
+
+
+def test_echoed_token_in_other_spellings_is_redacted(db_url: str) -> None:
+    with reflecting_receiver(_spelled_echo) as (url, requests):
+        endpoint = Endpoint(
+            name="rx", base_url=url, timeout=5.0,
+            auth=lambda: {"Authorization": "Bearer " + quote_ascii(SPELLED)},
+            retry=RetryPolicy(max_attempts=1, window=timedelta(minutes=5), wait=wait_fixed(1)),
+            key_retention=timedelta(hours=1),
+        )  # fmt: skip
+        with Outbox(db_url, endpoints=[endpoint]) as ob:
+            ob.enqueue(endpoint="rx", method="POST", path="/x", json={"a": 1},
+                       operation_id="spelled")  # fmt: skip
+            ob.dispatch_once()
+            op = ob.get("spelled")
+            assert op.result is not None
+            assert "[REDACTED]" in str(op.result.body)
+            stored = _stored_bytes(ob, db_url)
+    assert requests
+    for form in _spellings(quote_ascii(SPELLED).encode()):
+        assert form not in stored, form
+
+
+def quote_ascii(s: str) -> str:
+    """The token as a header can carry it: ASCII only."""
+    return s.replace("é", "e")
