@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
+from urllib.parse import unquote
 
 from outbox.errors import ValidationError
 
@@ -147,6 +148,25 @@ def _check_method(method: object) -> str:
     return method.upper()
 
 
+def _encodable(text: str) -> bool:
+    """``text`` has no lone surrogate: it can be encoded as UTF-8 and sent."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def leaves_base(path: str) -> bool:
+    """``path`` has a dot segment (RFC 3986 §5.2.4): ``.`` or ``..``, also spelled
+    percent-encoded (``%2e%2e``), with ``;`` parameters (``..;x``) or backslashes.
+    A stored path is relative to the endpoint's base path and must stay under it;
+    removing dot segments could climb out of it, so no path may have one."""
+    # Decoded first: %2f and %5c (an encoded slash or backslash) separate segments too.
+    decoded = unquote(path.split("?", 1)[0]).replace("\\", "/")
+    return any(segment.split(";", 1)[0] in (".", "..") for segment in decoded.split("/"))
+
+
 def _check_path(path: object) -> str:
     if not isinstance(path, str) or not path.startswith("/") or path.startswith("//"):
         raise ValidationError(
@@ -154,6 +174,13 @@ def _check_path(path: object) -> str:
         )
     if len(path) > 2048:
         raise ValidationError("path is longer than 2048 characters")
+    if leaves_base(path):
+        raise ValidationError(
+            f"path must stay under the endpoint's base path: no '.' or '..' segments "
+            f"(also percent-encoded or with ';' parameters), got {path!r}"
+        )
+    if not _encodable(path):
+        raise ValidationError(f"path contains a lone surrogate, which cannot be sent: {path!r}")
     if _CONTROL.search(path) or " " in path or "#" in path or "\\" in path:
         raise ValidationError(f"path contains spaces, control characters, '#' or '\\': {path!r}")
     return path
@@ -181,6 +208,13 @@ def _check_headers(
             raise ValidationError(f"header {name!r} is set by the dispatcher and cannot be given")
         if not isinstance(value, str) or _CONTROL.search(value.replace("\t", "")):
             raise ValidationError(f"header {name!r} must be a string without control characters")
+        if not value.isascii():
+            # HTTP/1.1 sends header bytes; the transport encodes values as ASCII, so a
+            # value like "café" could never leave: every attempt would fail to build.
+            raise ValidationError(
+                f"header {name!r} must be ASCII (percent-encode it, or use RFC 8187's "
+                f"ext-value), got {value!r}"
+            )
         out[lower] = value
     return dict(sorted(out.items()))
 
@@ -237,6 +271,8 @@ def canonicalize(
     if json_body is not None:
         _depth(json_body, MAX_JSON_DEPTH)
         body_json = canonical_json(json_body)
+        if not _encodable(body_json):
+            raise ValidationError("json body contains a lone surrogate, which cannot be sent")
         size = len(body_json.encode("utf-8"))
         if size > max_body_bytes:
             raise ValidationError(f"json body is {size} bytes, over the limit of {max_body_bytes}")

@@ -271,6 +271,14 @@ class Endpoint:
                 f"endpoint name {self.name!r} must be 1-64 characters of [A-Za-z0-9._-]"
             )
         parts = urlsplit(self.base_url)
+        if "@" in parts.netloc:
+            # Userinfo would be exported in span attributes and logs, and aiohttp never
+            # sends it: every attempt would fail as "may have reached the receiver".
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: base_url must not carry credentials "
+                "(user:password@); pass them with auth= (for example "
+                "auth=httpx.BasicAuth(user, password))"
+            )
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError(
                 f"endpoint {self.name!r}: base_url must be an absolute http(s) URL, "

@@ -13,6 +13,7 @@ from outbox.canonical import canonical_json_text
 from outbox.model import LookupResult, Verdict
 from outbox.wire.exchange import clean_message, exchange
 from outbox.wire.lookup import lookup_status
+from outbox.wire.redact import request_redactor
 from outbox.wire.transport import classify_response, request_headers
 
 if TYPE_CHECKING:
@@ -111,16 +112,18 @@ class Prober:
             keep=_MAX_BODY,
             limit=_MAX_BODY,
         )
+        # The one redactor attempts use: what a probe reports never quotes a credential.
+        redactor = request_redactor(self.endpoint, headers, ex.request)
         if ex.error is not None or ex.body is None:
             error = (
                 f"no complete response within {self.endpoint.timeout}s"
                 if ex.timed_out
-                else ex.error_text()
+                else clean_message(redactor.text(f"{type(ex.error).__name__}: {ex.error}"))
             )
             return Probe(key, request_id, None, b"", None, error, self.endpoint.request_id_header)
         # The body is decoded: keep the headers without its framing (Content-Encoding
         # would have a later reading decode it again).
-        read = ex.readable(ex.body.head)
+        read = ex.readable(redactor.bytes(ex.body.head))
         return Probe(
             key, request_id, read.status_code, read.content, read.headers, None,
             self.endpoint.request_id_header,

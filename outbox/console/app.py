@@ -21,10 +21,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from outbox.console.auth import Credentials, Session, Sessions
+from outbox.base.logs import get_logger
+from outbox.console.auth import Credentials, Session, Sessions, SignInLimiter
 from outbox.console.render import environment
 from outbox.errors import StoreError
 from outbox.version import __version__
+
+log = get_logger("outbox.console")
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
@@ -81,7 +84,9 @@ class Console:
         *,
         read_only: bool = False,
         sessions: Sessions | None = None,
+        sign_ins: SignInLimiter | None = None,
     ) -> None:
+        self.sign_ins = sign_ins or SignInLimiter()
         self.outbox = outbox
         self.credentials = credentials
         self.read_only = read_only
@@ -159,9 +164,23 @@ class Console:
             return self.message(
                 None, status=403, heading="Refused", message="cross-origin sign-in refused"
             )
+        address = request.client.host if request.client else "unknown"
+        wait = self.sign_ins.locked_for(address)
+        if wait > 0:
+            log.warning("console_sign_in_refused_locked", client=address)
+            response = self.login_page(
+                request, status=429, error="Too many failed sign-ins: try again later."
+            )
+            response.headers["Retry-After"] = str(int(wait) + 1)
+            return response
         actor = self.credentials.match(str(form.get("token") or ""))
         if actor is None:
+            log.warning("console_sign_in_failed", client=address)
+            if self.sign_ins.failed(address):
+                log.warning("console_sign_in_locked", client=address,
+                            lockout_seconds=self.sign_ins.lockout)  # fmt: skip
             return self.login_page(request, status=401, error="That token is not valid.")
+        self.sign_ins.succeeded(address)
         session = self.sessions.create(actor)
         response = RedirectResponse(safe_next(str(form.get("next") or "/")), status_code=303)
         response.set_cookie(

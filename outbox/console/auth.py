@@ -155,3 +155,49 @@ class Sessions:
     def drop(self, sid: str | None) -> None:
         with self._lock:
             self._open.pop(sid or "", None)
+
+
+class SignInLimiter:
+    """Failed sign-ins per client address: after ``max_failures`` within
+    ``window_seconds`` the address is locked out for ``lockout_seconds``. The point is
+    not the token's strength (they are long) but an alert and a brake on guessing."""
+
+    def __init__(
+        self,
+        *,
+        max_failures: int = 5,
+        window_seconds: float = 60.0,
+        lockout_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_failures = max_failures
+        self.window = window_seconds
+        self.lockout = lockout_seconds
+        self._clock = clock
+        self._failures: dict[str, list[float]] = {}
+        self._locked_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def locked_for(self, address: str) -> float:
+        """Seconds ``address`` is still locked out (0: not locked)."""
+        with self._lock:
+            return max(0.0, self._locked_until.get(address, 0.0) - self._clock())
+
+    def failed(self, address: str) -> bool:
+        """Record a failure; True when it locks ``address`` out."""
+        now = self._clock()
+        with self._lock:
+            recent = [t for t in self._failures.get(address, []) if now - t < self.window]
+            recent.append(now)
+            if len(recent) >= self.max_failures:
+                self._failures.pop(address, None)
+                self._locked_until[address] = now + self.lockout
+                return True
+            self._failures[address] = recent
+            if len(self._failures) > 10_000:  # bounded memory under a spray of addresses
+                self._failures.pop(next(iter(self._failures)))
+            return False
+
+    def succeeded(self, address: str) -> None:
+        with self._lock:
+            self._failures.pop(address, None)

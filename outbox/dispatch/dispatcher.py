@@ -49,7 +49,12 @@ from outbox.store.records import (
     Claimed,
     ClaimResult,
 )
-from outbox.wire.transport import build_client, request_headers, send_attempt
+from outbox.wire.transport import (
+    build_client,
+    request_headers,
+    send_attempt,
+    unbuilt_attempt,
+)
 
 logger = get_logger("outbox.dispatch")
 
@@ -446,14 +451,22 @@ class Dispatcher:
                     )
                 )
                 return
-            headers = request_headers(
-                endpoint,
-                stored_headers=c.headers,
-                operation_id=c.operation_id,
-                request_id=started.request_id,
-                tenant=c.tenant,
-                has_body=c.body is not None,
-            )
+            try:  # anything raising before the first byte is written: not sent
+                headers = request_headers(
+                    endpoint,
+                    stored_headers=c.headers,
+                    operation_id=c.operation_id,
+                    request_id=started.request_id,
+                    tenant=c.tenant,
+                    has_body=c.body is not None,
+                )
+                body = c.body.encode("utf-8") if c.body is not None else None
+            except Exception as exc:
+                log.warning("attempt_not_built", error=type(exc).__name__)
+                await self._outcomes.put(
+                    attempt_outcome(work, unbuilt_attempt(exc), self.clock.now_ms())
+                )
+                return
             traced = self._observe.attempt_started(work.batch, c, endpoint, started, headers)
             log.info("attempt_started")
             self.summary.attempts += 1
@@ -463,7 +476,7 @@ class Dispatcher:
                 method=c.method,
                 path=c.path,
                 headers=headers,
-                body=c.body.encode("utf-8") if c.body is not None else None,
+                body=body,
                 now_ms=self.clock.now_ms,
                 public_headers=c.headers,
                 secret_headers=self._secret_headers,

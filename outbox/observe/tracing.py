@@ -115,7 +115,9 @@ class Tracing(Instrumentation):
         path = claimed.path.split("?", 1)[0]  # the query may carry values: left out
         attributes: dict[str, Any] = {
             "http.request.method": claimed.method,
-            "url.full": f"{base.scheme}://{base.netloc}{base.path.rstrip('/')}{path}",
+            # Never the userinfo (Endpoint refuses it; a span must not carry it anyway).
+            "url.full": f"{base.scheme}://{base.netloc.rpartition('@')[2]}"
+            f"{base.path.rstrip('/')}{path}",
             "server.address": base.hostname or "",
             "server.port": base.port or (443 if base.scheme == "https" else 80),
             "outbox.operation_id": claimed.operation_id,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from outbox.canonical import leaves_base
 from outbox.classify import Classification
 from outbox.model import Delivery, ErrorClass, Verdict
 from outbox.wire import _httpx_fast as sending
@@ -82,12 +83,17 @@ def classify_exception(exc: BaseException) -> Classification:
 
 
 def _stays_home(client: httpx.AsyncClient, request: httpx.Request, path: str) -> bool:
+    """The request goes to the client's scheme and host, under its base path (checked
+    again at send: a tampered row must not climb out with ``..`` or ``%2e%2e``)."""
     base = client.base_url
+    base_path = base.raw_path.split(b"?", 1)[0].rstrip(b"/") + b"/"
     return (
         path.startswith("/")
         and not path.startswith("//")
         and "\\" not in path
+        and not leaves_base(path)
         and (request.url.scheme, request.url.netloc) == (base.scheme, base.netloc)
+        and request.url.raw_path.startswith(base_path)
     )
 
 
@@ -112,6 +118,9 @@ class Exchange:
     elapsed_ms: int
     #: Not sent: the path would leave the client's base URL (``home_only``).
     refused: bool = False
+    #: Not sent: the request failed before its first byte could be written (building
+    #: it raised: an auth callable, a header the transport cannot encode, ...).
+    unsent: bool = False
 
     @property
     def status(self) -> int | None:
@@ -147,6 +156,8 @@ class Exchange:
         answer for the exception. A deadline that fired after the status line arrived
         is "unknown" whatever anyone says: the request was sent."""
         assert self.error is not None
+        if self.unsent:
+            return Classification(Verdict.RETRY, Delivery.NOT_SENT)
         classification = override or classify_exception(self.error)
         if self.timed_out and self.response is not None:
             return Classification(Verdict.RETRY, Delivery.UNKNOWN, maybe_applied=True)
@@ -191,11 +202,13 @@ async def exchange(
     started = time.monotonic()
     request: httpx.Request | None = None
     response: httpx.Response | None = None
+    sending_started = False
     try:
         async with asyncio.timeout(deadline_seconds):
             request = sending.build_request(client, method, path, headers=headers, content=content)
             if home_only and not _stays_home(client, request, path):
                 return Exchange(request, None, None, None, deadline_seconds, 0, refused=True)
+            sending_started = True
             response = await sending.send(client, request)
             try:
                 body = await read_body(response, keep=keep, limit=limit)
@@ -203,6 +216,7 @@ async def exchange(
                 await response.aclose()
     except Exception as exc:
         elapsed_ms = int((time.monotonic() - started) * 1000)
-        return Exchange(request, response, None, exc, deadline_seconds, elapsed_ms)
+        return Exchange(request, response, None, exc, deadline_seconds, elapsed_ms,
+                        unsent=not sending_started)  # fmt: skip
     elapsed_ms = int((time.monotonic() - started) * 1000)
     return Exchange(request, response, body, None, deadline_seconds, elapsed_ms)

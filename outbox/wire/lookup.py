@@ -25,6 +25,7 @@ import httpx
 
 from outbox.model import LookupResult
 from outbox.wire.exchange import clean_message, exchange
+from outbox.wire.redact import request_redactor
 from outbox.wire.transport import request_headers
 
 if TYPE_CHECKING:
@@ -79,8 +80,14 @@ async def lookup_status(
         keep=_MAX_LOOKUP_BODY,
         limit=_MAX_LOOKUP_BODY,
     )
+    # The one redactor attempts use: a lookup route may echo the credentials it was sent.
+    redactor = request_redactor(endpoint, headers, ex.request)
     if ex.error is not None:
-        error = f"no answer within {endpoint.timeout}s" if ex.timed_out else ex.error_text()
+        error = (
+            f"no answer within {endpoint.timeout}s"
+            if ex.timed_out
+            else clean_message(redactor.text(f"{type(ex.error).__name__}: {ex.error}"))
+        )
         return asked(
             LookupResult.unknown(f"the lookup failed ({error})"),
             http_status=ex.status,
@@ -88,7 +95,7 @@ async def lookup_status(
         )
     assert ex.response is not None and ex.body is not None
     response = ex.response
-    body = ex.body.head if ex.body.complete else None
+    body = redactor.bytes(ex.body.head) if ex.body.complete else None
     evidence = body[:_EVIDENCE_CHARS].decode("utf-8", errors="replace") if body else None
     if body is None:
         return asked(
@@ -102,7 +109,7 @@ async def lookup_status(
         if not isinstance(classified, LookupResult):
             raise TypeError(f"classify returned {type(classified).__name__}, not LookupResult")
     except Exception as exc:
-        error = clean_message(f"{type(exc).__name__}: {exc}")
+        error = redactor.text(clean_message(f"{type(exc).__name__}: {exc}"))
         classified = LookupResult.unknown(f"the lookup classifier failed ({error})")
         return asked(classified, http_status=response.status_code, body=evidence, error=error)
     return asked(classified, http_status=response.status_code, body=evidence)

@@ -15,10 +15,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import html
+import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+from urllib.parse import quote, quote_plus
 
 from outbox.canonical import CREDENTIAL_HEADERS
+
+if TYPE_CHECKING:
+    import httpx
+
+    from outbox.config import Endpoint
 
 REDACTED = "[REDACTED]"
 #: Header values shorter than this are not treated as secrets unless named as secrets
@@ -54,17 +64,43 @@ def _char_pattern(c: str) -> bytes:
     return b"(?:" + b"|".join(forms) + b")"
 
 
+def _json_twice(s: str) -> str:
+    return json.dumps(json.dumps(s))[3:-3]
+
+
+#: The spellings a receiver produces by echoing a secret through a URL, a form, an HTML
+#: page, a JSON-in-JSON field or a base64 header dump. ONE rule: every spelling of every
+#: secret is a literal, each of its characters also matched in its JSON escapes.
+SPELLINGS: dict[str, Callable[[str], str]] = {
+    "literal": lambda s: s,
+    "percent-encoded": lambda s: quote(s, safe=""),
+    "percent-encoded, lower-case hex": lambda s: re.sub(
+        r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quote(s, safe="")
+    ),
+    "form-encoded": lambda s: quote_plus(s, safe=""),
+    "HTML entities": lambda s: html.escape(s, quote=True),
+    "JSON escaped twice": _json_twice,
+    "base64": lambda s: base64.b64encode(s.encode("utf-8")).decode("ascii"),
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(given: tuple[str, ...]) -> tuple[int, re.Pattern[bytes] | None]:
+    """The pattern for ``given`` secrets, cached: an endpoint sends the same
+    credentials attempt after attempt, and compiling is most of the cost."""
+    unique = sorted({f(s) for s in given for f in SPELLINGS.values()}, key=len, reverse=True)
+    longest = max((len(s) for s in unique), default=0)
+    if not unique:
+        return longest, None
+    return longest, re.compile(b"|".join(b"".join(_char_pattern(c) for c in s) for s in unique))
+
+
 class Redactor:
-    """Replaces the given secrets, in any JSON-escaped spelling, with ``[REDACTED]``."""
+    """Replaces the given secrets, in every spelling of :data:`SPELLINGS` and any
+    JSON-escaped form of it, with ``[REDACTED]``."""
 
     def __init__(self, secrets: Iterable[str]) -> None:
-        unique = sorted({s for s in secrets if s}, key=len, reverse=True)
-        self.longest = max((len(s) for s in unique), default=0)
-        self._pattern = (
-            re.compile(b"|".join(b"".join(_char_pattern(c) for c in s) for s in unique))
-            if unique
-            else None
-        )
+        self.longest, self._pattern = _compiled(tuple(sorted({s for s in secrets if s})))
 
     def __bool__(self) -> bool:
         return self._pattern is not None
@@ -115,3 +151,26 @@ def secrets_sent(
             password = decoded.partition(":")[2]
             found.extend(v for v in (decoded, password) if len(v) >= _MIN_NAMED)
     return found
+
+
+def request_redactor(
+    endpoint: Endpoint,
+    headers: Mapping[str, str],
+    sent: httpx.Request | None = None,
+    *,
+    public: Iterable[str] = (),
+    secret_names: Iterable[str] = (),
+) -> Redactor:
+    """The one redactor for everything one exchange stores or shows: its body, its
+    headers and its error text (a parser error quotes the raw bytes it choked on).
+    ``headers``: those handed to the exchange; ``sent``: the request that went out,
+    when known (an ``httpx.Auth`` may have added credentials of its own making)."""
+    items = list(headers.items())
+    if sent is not None:
+        items.extend(sent.headers.multi_items())
+    identity = [endpoint.idempotency_header, endpoint.request_id_header]
+    if endpoint.tenant_header:
+        identity.append(endpoint.tenant_header)
+    return Redactor(
+        secrets_sent(items, public=[*public, *identity], secret_names=secret_names)
+    )

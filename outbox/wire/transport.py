@@ -31,7 +31,7 @@ from outbox.store.records import StoredResult
 from outbox.wire import _aiohttp
 from outbox.wire.body import ACCEPT_ENCODING, Body, RawStream
 from outbox.wire.exchange import classify_exception, clean_message, exchange
-from outbox.wire.redact import Redactor, secrets_sent
+from outbox.wire.redact import Redactor, request_redactor
 
 #: Bytes of a non-success body kept in the attempt's error message.
 _MESSAGE_BYTES = 300
@@ -412,6 +412,20 @@ def _httpx_headers(
     return dict(headers.multi_items())
 
 
+def unbuilt_attempt(exc: Exception) -> AttemptResult:
+    """The attempt whose request could not be built (an auth callable raised, a stored
+    value the transport cannot encode): nothing left, so it is ``not_sent``."""
+    return AttemptResult(
+        classification=Classification(Verdict.RETRY, Delivery.NOT_SENT),
+        status_code=None,
+        receiver_request_id=None,
+        error_class=type(exc).__name__,
+        error_message=clean_message(f"not sent: the request could not be built: {exc}"),
+        duration_ms=0,
+        result=None,
+    )
+
+
 async def send_attempt(
     client: httpx.AsyncClient,
     endpoint: Endpoint,
@@ -454,19 +468,28 @@ async def send_attempt(
             duration_ms=0,
             result=None,
         )
+    # A receiver may echo request headers: never keep the credentials it echoes. Those
+    # of the request that went out: an httpx.Auth may have sent one of its own making.
+    # One redactor for the body, the headers and the error text alike.
+    sent = ex.request
+    if sent is not None and ex.response is not None:
+        sent = _sent_request(sent, ex.response)
+    redactor = request_redactor(endpoint, headers, sent, public=public_headers,
+                                secret_names=secret_headers)  # fmt: skip
     if ex.error is not None:
         exc = ex.error
         error_class = ex.error_class
         error_message = (
             f"no complete response within the attempt deadline of {endpoint.timeout}s"
             if ex.timed_out
-            else clean_message(str(exc) or repr(exc))
+            else clean_message(redactor.text(str(exc) or repr(exc)))
         )
         try:
             override = endpoint.classify(exc) if endpoint.classify else None
         except Exception as failure:
             classification, error_class, error_message = _classifier_failed(failure)
             classification = ex.error_classification(classification)
+            error_message = redactor.text(error_message)
         else:
             classification = ex.error_classification(override)
         return AttemptResult(
@@ -480,16 +503,6 @@ async def send_attempt(
         )
     assert ex.request is not None and ex.response is not None and ex.body is not None
     response, received = ex.response, ex.body
-    # A receiver may echo request headers: never keep the credentials it echoes. Those
-    # of the request that went out: an httpx.Auth may have sent one of its own making.
-    redactor = Redactor(
-        secrets_sent(
-            _sent_request(ex.request, response).headers.multi_items(),
-            public=[*public_headers, endpoint.idempotency_header, endpoint.request_id_header,
-                    *([endpoint.tenant_header] if endpoint.tenant_header else [])],
-            secret_names=secret_headers,
-        )
-    )  # fmt: skip
     raw = redactor.bytes(received.head, cut_off=received.truncated)
     kept = redactor.bytes(
         received.head[: endpoint.result_body_limit],
@@ -505,6 +518,7 @@ async def send_attempt(
         )
     except Exception as failure:
         classification, failed_class, failed_message = _classifier_failed(failure)
+        failed_message = redactor.text(failed_message)
     else:
         classification = override or classify_response(
             response, raw, now_ms(), replay_status=endpoint.replay_status
@@ -543,6 +557,7 @@ __all__ = [
     "is_key_mismatch",
     "request_headers",
     "send_attempt",
+    "unbuilt_attempt",
 ]
 
 
