@@ -50,6 +50,7 @@ class Transaction:
         operation_id: str | None = None,
         tenant: str = "",
         ordering_key: str | None = None,
+        **body: Any,
     ) -> Operation:
         """:meth:`Outbox.enqueue` in this transaction."""
         return self.outbox.enqueue(
@@ -62,6 +63,7 @@ class Transaction:
             tenant=tenant,
             ordering_key=ordering_key,
             connection=self.connection,
+            **body,
         )
 
     def enqueue_many(self, intents: Sequence[Intent]) -> list[Operation]:
@@ -88,6 +90,7 @@ class AsyncTransaction:
         operation_id: str | None = None,
         tenant: str = "",
         ordering_key: str | None = None,
+        **body: Any,
     ) -> Operation:
         """:meth:`Outbox.enqueue_async` in this transaction."""
         return await self.outbox.enqueue_async(
@@ -100,6 +103,7 @@ class AsyncTransaction:
             tenant=tenant,
             ordering_key=ordering_key,
             connection=self.connection,
+            **body,
         )
 
     async def enqueue_many(self, intents: Sequence[Intent]) -> list[Operation]:

@@ -446,7 +446,7 @@ class Dispatcher:
                 operation_id=c.operation_id,
                 request_id=started.request_id,
                 tenant=c.tenant,
-                has_body=c.body is not None,
+                has_body=c.body is not None or c.body_raw is not None,
             )
             traced = self._observe.attempt_started(work.batch, c, endpoint, started, headers)
             log.info("attempt_started")
@@ -457,7 +457,7 @@ class Dispatcher:
                 method=c.method,
                 path=c.path,
                 headers=headers,
-                body=c.body.encode("utf-8") if c.body is not None else None,
+                body=c.body_bytes(),
                 now_ms=self.clock.now_ms,
                 public_headers=c.headers,
                 secret_headers=self._secret_headers,

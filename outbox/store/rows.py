@@ -86,6 +86,7 @@ def operation_row(
         "path": args.path,
         "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
         "body": args.body_json,
+        "body_raw": args.body_raw,
         "args_sha256": args.args_sha256,
         "ordering_key": ordering_key,
         "state": State.PENDING.value,
@@ -187,6 +188,7 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         attempts_in_progress=r.attempts_in_progress or 0,
         last_error=r.last_error,
         policy=policy_from_row(r),
+        body_raw=bytes(r.body_raw) if r.body_raw is not None else None,
     )
 
 

@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -95,6 +96,9 @@ operations = Table(
     Column("policy_in_progress_budget", Integer, nullable=True),
     # W3C trace context active when the operation was enqueued (tracing on only).
     Column("traceparent", String(55), nullable=True),
+    # The exact bytes of a form or raw body (content type: the stored content-type
+    # header); NULL for a JSON body (``body``) or none. Migration 0005.
+    Column("body_raw", LargeBinary, nullable=True),
     UniqueConstraint("tenant", "operation_id"),
 )
 
