@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 from outbox.errors import ValidationError
 
@@ -211,3 +211,33 @@ def append_query(path: str, query: str) -> str:
     if not query:
         return path
     return f"{path}&{query}" if "?" in path else f"{path}?{query}"
+
+
+def body_view(content_type: str | None, body: bytes | None) -> dict[str, Any]:
+    """How operators are shown a stored body, as the receiver gets it: ``kind`` "none",
+    "json" (``text``), "form" (``fields``: decoded name/value pairs, in wire order) or
+    "raw" (``size``, ``sha256`` and a ``hex`` head: never rendered as text or HTML)."""
+    import hashlib
+
+    if body is None:
+        return {"kind": "none"}
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media == FORM_CONTENT_TYPE:
+        try:
+            fields = parse_qsl(body.decode("ascii"), keep_blank_values=True, strict_parsing=True)
+        except (UnicodeDecodeError, ValueError):
+            fields = None
+        if fields is not None:
+            return {"kind": "form", "size": len(body), "fields": [list(f) for f in fields]}
+    if media == "application/json" or media.endswith("+json"):
+        try:
+            return {"kind": "json", "size": len(body), "text": body.decode("utf-8")}
+        except UnicodeDecodeError:
+            pass
+    return {
+        "kind": "raw",
+        "content_type": content_type,
+        "size": len(body),
+        "sha256": hashlib.sha256(body).hexdigest(),
+        "hex": body[:64].hex(),
+    }

@@ -92,7 +92,8 @@ def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Sh
     shop.manage("migrate", "-v0")
     assert shop.query("SELECT version_num FROM outbox_alembic_version") == [(HEAD,)]
     assert shop.query("SELECT app, name FROM django_migrations WHERE app = 'outbox'") == [
-        ("outbox", "0001_outbox_schema")
+        ("outbox", "0001_outbox_schema"),
+        ("outbox", "0002_request_forms"),
     ]
     out = shop.outbox("--db", shop.url, "migrate").stdout
     assert f"(was {HEAD})" in out
@@ -106,7 +107,8 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
     assert shop.query("SELECT version_num FROM outbox_alembic_version") == [(HEAD,)]
     assert shop.operations() == []
     assert shop.query("SELECT app, name FROM django_migrations WHERE app = 'outbox'") == [
-        ("outbox", "0001_outbox_schema")
+        ("outbox", "0001_outbox_schema"),
+        ("outbox", "0002_request_forms"),
     ]
 
 
