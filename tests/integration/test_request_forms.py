@@ -45,9 +45,13 @@ def _show(db_url: str, op_id: str) -> dict[str, Any]:
     return shown
 
 
+def charge(ob: Outbox, data: Any, params: Any) -> Any:
+    return ob.enqueue(endpoint="rx", method="POST", path="/v1/charges", data=data,
+                      form_style="stripe", params=params, operation_id="f-1")  # fmt: skip
+
+
 def test_form_body_round_trip(ob: Outbox, rx: Receiver, db_url: str) -> None:
-    ob.enqueue(endpoint="rx", method="POST", path="/v1/charges", data=FORM,
-               form_style="stripe", params=[("z", "1"), ("a", "x y")], operation_id="f-1")  # fmt: skip
+    charge(ob, FORM, [("z", "1"), ("a", "x y")])
     ob.dispatch_once()
     op = ob.get("f-1")
     assert op.state.value == "succeeded"
@@ -66,15 +70,11 @@ def test_form_body_round_trip(ob: Outbox, rx: Receiver, db_url: str) -> None:
     assert request.body_sha256 == effect.body_sha256
     changed = {**FORM, "amount": "2001"}
     with pytest.raises(OperationConflict):
-        ob.enqueue(endpoint="rx", method="POST", path="/v1/charges", data=changed,
-                   form_style="stripe", params=[("z", "1"), ("a", "x y")], operation_id="f-1")  # fmt: skip
+        charge(ob, changed, [("z", "1"), ("a", "x y")])
     with pytest.raises(OperationConflict):  # the query is part of the fingerprint
-        ob.enqueue(endpoint="rx", method="POST", path="/v1/charges", data=FORM,
-                   form_style="stripe", params=[("a", "x y"), ("z", "1")], operation_id="f-1")  # fmt: skip
+        charge(ob, FORM, [("a", "x y"), ("z", "1")])
     # A mapping is encoded canonically: another dict order is the same operation.
-    again = ob.enqueue(endpoint="rx", method="POST", path="/v1/charges",
-                       data=dict(reversed(list(FORM.items()))), form_style="stripe",
-                       params=[("z", "1"), ("a", "x y")], operation_id="f-1")  # fmt: skip
+    again = charge(ob, dict(reversed(list(FORM.items()))), [("z", "1"), ("a", "x y")])
     assert again.state.value == "succeeded"
 
 
