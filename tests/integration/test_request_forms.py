@@ -145,3 +145,12 @@ def test_bad_bodies_are_refused_and_nothing_is_written(
             assert conn.execute(sqlalchemy.select(operations.c.id)).all() == []
     finally:
         box.close()
+
+
+def test_the_receiver_reads_a_form_as_fields(ob: Outbox, rx: Receiver) -> None:
+    ob.enqueue(endpoint="rx", method="POST", path="/v1/customers",
+               data=[("name", "Ada"), ("tag", "a"), ("tag", "b")], operation_id="c-1")  # fmt: skip
+    ob.dispatch_once()
+    op = ob.get("c-1")
+    assert op.result is not None
+    assert op.result.body["received"] == {"name": "Ada", "tag": ["a", "b"]}  # not {} or null
