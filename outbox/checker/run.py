@@ -18,7 +18,7 @@ from outbox.checker.probes import (
     changed_payload,
     probe_key,
 )
-from outbox.checker.report import CheckReport
+from outbox.checker.report import CheckReport, cause_of
 from outbox.checker.verdicts import (
     changed_payload_refused,
     concurrent_duplicates,
@@ -174,6 +174,12 @@ async def check_receiver_async(
         probe_keys=tuple(keys.values()),
         retention_delay_seconds=retention_delay,
         strict=strict,
+        cause=cause_of(
+            [
+                (q.status, q.body, q.error)
+                for q in (first, again, changed_probe, other, *burst, burst_after)
+            ]
+        ),
     )
 
 
