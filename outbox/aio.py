@@ -109,14 +109,22 @@ class AsyncMethods:
         connection: Any = None,
         priority: int = 0,
         not_before: datetime | None = None,
+        data: Any = None,
+        content: bytes | None = None,
+        content_type: str | None = None,
+        params: Any = None,
+        form_style: str = "flat",
+        files: Any = None,
     ) -> Operation:
         """:meth:`Outbox.enqueue` for asyncio: with ``connection`` (an
         ``AsyncConnection`` or ``AsyncSession``) the operation joins that transaction and
         is never committed by us; same validation, same idempotent re-enqueue, same
         :class:`OperationConflict`."""
         ob = _outbox(self)
-        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
-                        priority, not_before)  # fmt: skip
+        intent = Intent(
+            endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
+            priority, not_before, data, content, content_type, params, form_style, files,
+        )  # fmt: skip
         if connection is None:
             # Checked here, in the caller's task: the worker thread is not the lock holder.
             ob._refuse_if_caller_holds_the_lock()
@@ -132,6 +140,12 @@ class AsyncMethods:
                 ordering_key=ordering_key,
                 priority=priority,
                 not_before=not_before,
+                data=data,
+                content=content,
+                content_type=content_type,
+                params=params,
+                form_style=form_style,
+                files=files,
             )
         conn = await async_connection_of(connection, "enqueue")
         checked = ob._validate(intent)  # before the database is touched

@@ -13,9 +13,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from outbox.errors import ValidationError
+from outbox.forms import (
+    FORM_CONTENT_TYPE,
+    append_query,
+    check_content_type,
+    check_secret_pairs,
+    encode_form,
+    encode_query,
+    raise_multipart,
+)
 
 OPERATION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,255}$")
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{0,255}$")
@@ -55,12 +64,15 @@ class CanonicalArgs:
     method: str
     path: str
     headers: dict[str, str]
-    body_json: str | None  #: canonical JSON text, or None for no body
+    body_json: str | None  #: canonical JSON text, or None for no JSON body
     args_sha256: str
     #: Claim order within the tenant (higher first): scheduling, not in the fingerprint.
     priority: int = 0
     #: A scheduled send (epoch ms), or None: scheduling, not in the fingerprint.
     not_before_ms: int | None = None
+    #: The exact bytes of a form (``data=``) or raw (``content=``) body, whose content
+    #: type is then the stored ``content-type`` header; None for JSON or no body.
+    body_raw: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +89,32 @@ class Intent:
     ordering_key: str | None = None
     priority: int = 0
     not_before: datetime | None = None
+    data: Any = None
+    content: bytes | None = None
+    content_type: str | None = None
+    params: Any = None
+    form_style: str = "flat"
+    files: Any = None
+
+    def body(self) -> Body:
+        return Body(
+            json=self.json, data=self.data, content=self.content,
+            content_type=self.content_type, params=self.params,
+            form_style=self.form_style, files=self.files,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """The body and query arguments of an enqueue, as httpx names them."""
+
+    json: Any = None
+    data: Any = None
+    content: bytes | None = None
+    content_type: str | None = None
+    params: Any = None
+    form_style: str = "flat"
+    files: Any = None
 
 
 #: ``priority`` is stored in a 32-bit column.
@@ -253,6 +291,35 @@ def canonical_json_text(text: str | bytes) -> str | None:
         return None
 
 
+def _raw_body(body: Body, headers: dict[str, str], secret_headers: Iterable[str]) -> bytes | None:
+    """The encoded bytes of a ``data=`` or ``content=`` body; its content type goes into
+    ``headers`` (stored, sent and fingerprinted with them)."""
+    given = [name for name, v in (("json", body.json), ("data", body.data),
+                                  ("content", body.content)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise ValidationError(f"give at most one body: json=, data= or content= (got {given})")
+    if body.content_type is not None and body.content is None:
+        raise ValidationError("content_type= goes with content= (json= and data= set their own)")
+    declared = headers.get("content-type")
+    if body.data is not None:
+        pairs, raw = encode_form(body.data, form_style=body.form_style)
+        check_secret_pairs(pairs, "form field", secret_headers)
+        if declared is not None and declared.split(";")[0].strip().lower() != FORM_CONTENT_TYPE:
+            raise ValidationError(f"data= is sent as {FORM_CONTENT_TYPE}, not {declared!r}")
+        headers.setdefault("content-type", FORM_CONTENT_TYPE)
+        return raw
+    if body.content is None:
+        return None
+    if not isinstance(body.content, bytes | bytearray | memoryview):
+        raise ValidationError(f"content= must be bytes, got {type(body.content).__name__}")
+    if body.content_type is None:
+        raise ValidationError("content= needs an explicit content_type= (say 'application/xml')")
+    if declared is not None:
+        raise ValidationError("give the content type once: content_type=, not a header")
+    headers["content-type"] = check_content_type(body.content_type)
+    return bytes(body.content)
+
+
 def canonicalize(
     *,
     endpoint: str,
@@ -262,29 +329,47 @@ def canonicalize(
     headers: Mapping[str, str] | None,
     max_body_bytes: int,
     secret_headers: Iterable[str] = (),
+    body: Body | None = None,
 ) -> CanonicalArgs:
-    """Validate enqueue arguments and return their canonical, comparable form."""
+    """Validate enqueue arguments and return their canonical, comparable form.
+
+    ``body`` carries the other body forms and the query (``json_body`` is the JSON one,
+    kept for its callers); at most one body form is given."""
+    body = Body(json=json_body) if body is None else body
+    if body.files is not None:
+        raise_multipart()
     checked_method = _check_method(method)
     checked_path = _check_path(path)
     checked_headers = _check_headers(headers, secret_headers)
+    if body.params is not None:
+        _, query = encode_query(body.params)
+        checked_path = append_query(checked_path, query)
+    if "?" in checked_path:
+        query_pairs = parse_qsl(checked_path.split("?", 1)[1], keep_blank_values=True)
+        check_secret_pairs(query_pairs, "query parameter", secret_headers)
+    body_raw = _raw_body(body, checked_headers, secret_headers)
+    checked_headers = dict(sorted(checked_headers.items()))
+    if body_raw is not None and len(body_raw) > max_body_bytes:
+        raise ValidationError(f"body is {len(body_raw)} bytes, over the limit of {max_body_bytes}")
     body_json: str | None = None
-    if json_body is not None:
-        _depth(json_body, MAX_JSON_DEPTH)
-        body_json = canonical_json(json_body)
+    if body.json is not None:
+        _depth(body.json, MAX_JSON_DEPTH)
+        body_json = canonical_json(body.json)
         if not _encodable(body_json):
             raise ValidationError("json body contains a lone surrogate, which cannot be sent")
         size = len(body_json.encode("utf-8"))
         if size > max_body_bytes:
             raise ValidationError(f"json body is {size} bytes, over the limit of {max_body_bytes}")
-    identity = canonical_json(
-        {
-            "endpoint": endpoint,
-            "method": checked_method,
-            "path": checked_path,
-            "headers": checked_headers,
-            "body": body_json,
-        }
-    )
+    fields: dict[str, Any] = {
+        "endpoint": endpoint,
+        "method": checked_method,
+        "path": checked_path,
+        "headers": checked_headers,
+        "body": body_json,
+    }
+    if body_raw is not None:  # absent for JSON: the fingerprints stored before stay valid
+        fields["raw_sha256"] = hashlib.sha256(body_raw).hexdigest()
+    identity = canonical_json(fields)
     return CanonicalArgs(
         endpoint=endpoint,
         method=checked_method,
@@ -292,4 +377,5 @@ def canonicalize(
         headers=checked_headers,
         body_json=body_json,
         args_sha256=hashlib.sha256(identity.encode("utf-8")).hexdigest(),
+        body_raw=body_raw,
     )

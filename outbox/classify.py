@@ -18,7 +18,8 @@ answer                    reading
 409 + ``replay_status``   success: a replay whose (non-empty) body is the result
 409, anything else        still processing (the draft's reading; also a bodiless 409)
 400 / 422 + stale marker  failed
-400 / 422 + conflict      key_conflict (unless the body says "in progress")
+400/417/422 + conflict    key_conflict (a payload marker wins over "in progress";
+                          the bare word "conflict" does not)
 408, 425, 429, 503        retry, refused before work
 500, 502, 504, other 5xx  retry, may have been applied
 other 4xx, 1xx, 3xx       failed (redirects are never followed)
@@ -51,7 +52,7 @@ from outbox.model import (
 #: The IETF Idempotency-Key draft's "a request with this key is still being processed".
 IN_PROGRESS_STATUS = 409
 #: Statuses whose body may name a key or payload conflict.
-CONFLICT_STATUSES = frozenset({400, 409, 422})
+CONFLICT_STATUSES = frozenset({400, 409, 417, 422})
 
 #: Markers, matched on the body's words lower-cased with ``_`` and ``-`` read as spaces.
 IN_PROGRESS_MARKERS = ("in progress", "in use", "processing", "being processed", "pending")
@@ -76,10 +77,18 @@ CONFLICT_MARKERS = (
     "already used",
     "previously used",
     "does not match",
+    "do not match",
+    "misuse",
+    "expectation failed",
 )
+#: Conflict markers that name the payload binding itself: they win over an in-progress
+#: marker in the same answer ("key in use with a different request" is a conflict).
+#: The bare word "conflict" does not ("conflict: a request is in progress"), nor Stripe's
+#: "idempotency_error" type, which it also gives to "key in use".
+_PAYLOAD_MARKERS = tuple(m for m in CONFLICT_MARKERS if m not in ("conflict", "idempotency error"))
 
-_FIELDS = ("error", "code", "type", "detail", "message", "title")
-_NESTED = ("code", "type", "message", "detail", "title")
+_FIELDS = ("error", "errors", "code", "type", "detail", "message", "title", "reason")
+_NESTED = ("code", "error_code", "type", "message", "detail", "title", "reason", "error")
 _SEPARATORS = re.compile(r"[\s_\-]+")
 #: Bytes of a non-JSON body searched for markers.
 _TEXT_LIMIT = 2048
@@ -136,6 +145,8 @@ class Classification:
 
 
 def _strings(value: Any) -> Iterator[str]:
+    """The marker-bearing strings of a field: itself, its nested fields, and those of
+    the objects of a list (``{"errors": [{"error_code": ..., "reason": ...}]}``)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
@@ -143,6 +154,15 @@ def _strings(value: Any) -> Iterator[str]:
             nested = value.get(name)
             if isinstance(nested, str):
                 yield nested
+    elif isinstance(value, list):
+        for item in value[:16]:
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, dict):
+                for name in _NESTED:
+                    nested = item.get(name)
+                    if isinstance(nested, str):
+                        yield nested
 
 
 def body_words(body: bytes) -> str:
@@ -169,10 +189,12 @@ def body_reading(body: bytes) -> str | None:
     words = body_words(body)
     if not words:
         return None
-    if _has(words, IN_PROGRESS_MARKERS):
-        return "in_progress"
     if _has(words, STALE_MARKERS):
         return "stale"
+    if _has(words, _PAYLOAD_MARKERS):
+        return "conflict"
+    if _has(words, IN_PROGRESS_MARKERS):
+        return "in_progress"
     if _has(words, CONFLICT_MARKERS):
         return "conflict"
     return None

@@ -168,10 +168,20 @@ class Outbox(AsyncMethods, TransactionMethods):
         connection: Any = None,
         priority: int = 0,
         not_before: datetime | None = None,
+        data: Any = None,
+        content: bytes | None = None,
+        content_type: str | None = None,
+        params: Any = None,
+        form_style: str = "flat",
+        files: Any = None,
     ) -> Operation:
         """Record the intent to call ``endpoint``; it is sent later by a dispatcher.
         ``priority`` (higher first, within the tenant) and ``not_before`` (an aware
         datetime: a scheduled send) are scheduling, not compared arguments.
+
+        The body is one of ``json=``, ``data=`` (form fields, see :mod:`outbox.forms`
+        and ``form_style``) or ``content=`` bytes with ``content_type=``; ``params=`` is
+        the query. What is stored is what is sent. ``files=`` (multipart) is refused.
 
         With ``connection`` (a SQLAlchemy Connection or ORM Session) the operation is
         written in the caller's transaction and commits or rolls back with it; enqueue
@@ -189,8 +199,10 @@ class Outbox(AsyncMethods, TransactionMethods):
         transaction, a failed COMMIT is the caller's own ambiguity: re-running the whole
         transaction with the same operation ID is the safe recovery.
         """
-        intent = Intent(endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
-                        priority, not_before)  # fmt: skip
+        intent = Intent(
+            endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
+            priority, not_before, data, content, content_type, params, form_style, files,
+        )  # fmt: skip
         if connection is not None:
             return self._enqueue_on(connection_of(connection), intent)
         checked = self._validate(intent)
@@ -330,6 +342,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             headers=intent.headers,
             max_body_bytes=self.max_body_bytes,
             secret_headers=self.secret_headers,
+            body=intent.body(),
         )
         return op_id, tenant, ordering_key, scheduled(args, intent)
 
@@ -358,6 +371,7 @@ class Outbox(AsyncMethods, TransactionMethods):
             path=args.path,
             headers=dict(args.headers),
             body=json.loads(args.body_json) if args.body_json is not None else None,
+            body_raw=args.body_raw,
             state=State.PENDING,
             reason=None,
             ordering_key=ordering_key,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -276,10 +277,31 @@ class Operation:
     priority: int = 0
     #: The scheduled send (epoch ms) it was enqueued with, or None.
     not_before_ms: int | None = None
+    #: The exact bytes of a form or raw body (its content type is the stored
+    #: ``content-type`` header); None for a JSON body (``body``) or none.
+    body_raw: bytes | None = None
 
     @property
     def is_settled(self) -> bool:
         return self.state.is_settled
+
+    @property
+    def content_type(self) -> str | None:
+        """The content type the body is sent with (JSON's default included)."""
+        if "content-type" in self.headers:
+            return self.headers["content-type"]
+        return "application/json" if self.body is not None else None
+
+    @property
+    def body_bytes(self) -> bytes | None:
+        """The body bytes the dispatcher sends."""
+        if self.body_raw is not None:
+            return self.body_raw
+        if self.body is None:
+            return None
+        return json.dumps(
+            self.body, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        ).encode("utf-8")
 
 
 class LookupStatus(enum.StrEnum):

@@ -53,6 +53,7 @@ class Transaction:
         ordering_key: str | None = None,
         priority: int = 0,
         not_before: datetime | None = None,
+        **body: Any,
     ) -> Operation:
         """:meth:`Outbox.enqueue` in this transaction."""
         return self.outbox.enqueue(
@@ -67,6 +68,7 @@ class Transaction:
             priority=priority,
             not_before=not_before,
             connection=self.connection,
+            **body,
         )
 
     def enqueue_many(self, intents: Sequence[Intent]) -> list[Operation]:
@@ -95,6 +97,7 @@ class AsyncTransaction:
         ordering_key: str | None = None,
         priority: int = 0,
         not_before: datetime | None = None,
+        **body: Any,
     ) -> Operation:
         """:meth:`Outbox.enqueue_async` in this transaction."""
         return await self.outbox.enqueue_async(
@@ -109,6 +112,7 @@ class AsyncTransaction:
             priority=priority,
             not_before=not_before,
             connection=self.connection,
+            **body,
         )
 
     async def enqueue_many(self, intents: Sequence[Intent]) -> list[Operation]:

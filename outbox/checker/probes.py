@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -154,8 +155,16 @@ def changed_payload(body: Any) -> tuple[Any, str]:
     return {"value": body, "outbox_probe_variant": "changed"}, "wrapped the body in an object"
 
 
-def probe_key() -> str:
-    return PROBE_PREFIX + uuid.uuid4().hex
+def probe_key(fits: Callable[[str], bool] | None = None) -> str:
+    """A fresh probe key that the endpoint's ``key_pattern`` accepts (``fits``): the
+    recognisable ``outbox-probe-<hex>`` when it may, else a UUID (canonical, then bare
+    hex) for receivers that take only UUIDs; the prefixed key if nothing fits (the
+    receiver's refusals then say why)."""
+    u = uuid.uuid4()
+    candidates = (PROBE_PREFIX + u.hex, str(u), u.hex)
+    if fits is None:
+        return candidates[0]
+    return next((key for key in candidates if fits(key)), candidates[0])
 
 
 @dataclass

@@ -71,11 +71,19 @@ class CheckReport:
     notice: str = NOTICE
     #: An undecided verdict counts as a failure too (``--strict``).
     strict: bool = False
+    #: What the answers had in common, when the run decided nothing (see ``cause_of``).
+    cause: str | None = None
+
+    @property
+    def decided_nothing(self) -> bool:
+        """Every verdict undecided: the run proved nothing, a failure even unstrict."""
+        return bool(self.verdicts) and all(v.passed is None for v in self.verdicts)
 
     @property
     def ok(self) -> bool:
-        """No verdict failed (some may be undecided; none, with ``strict``)."""
-        if self.strict and self.undecided:
+        """No verdict failed (some may be undecided; none, with ``strict``), and at
+        least one was decided."""
+        if self.decided_nothing or (self.strict and self.undecided):
             return False
         return all(v.passed is not False for v in self.verdicts)
 
@@ -106,6 +114,8 @@ class CheckReport:
             "tenant": self.tenant,
             "ok": self.ok,
             "strict": self.strict,
+            "decided_nothing": self.decided_nothing,
+            "cause": self.cause,
             "failed": self.failed,
             "undecided": self.undecided,
             "verdicts": [v.as_dict() for v in self.verdicts],
@@ -127,5 +137,57 @@ class CheckReport:
             f"{passed} passed, {len(self.failed)} failed, {len(self.undecided)} could not "
             f"tell; probe keys: {', '.join(self.probe_keys)}"
         )
+        if self.decided_nothing:
+            out.append(
+                "FAILED: the run decided nothing" + (f": {self.cause}" if self.cause else "")
+            )
         out.append(f"NOTE: {self.notice}")
         return out
+
+
+def cause_of(statuses: list[tuple[int | None, bytes, str | None]]) -> str | None:
+    """What every probe answer had in common, in the receiver's words: ``(status, body,
+    error)`` of each probe. None when they differ."""
+    if not statuses:
+        return None
+    kinds = {(status, error if status is None else None) for status, _, error in statuses}
+    if len(kinds) != 1:
+        return None
+    status, body, error = statuses[0]
+    if status is None:
+        return f"no probe got an answer ({error}): is the receiver running at this URL?"
+    if 200 <= status < 300:
+        return None
+    words = _answer_words(body)
+    said = f" {words}" if words else ""
+    hint = ""
+    if status in (400, 422) and any(w in words.lower() for w in ("uuid", "key", "format")):
+        hint = ": the probe keys may break the receiver's key format (declare key_pattern)"
+    elif status in (401, 403):
+        hint = ": the probes are not authorised (the endpoint's auth)"
+    elif status == 404:
+        hint = ": check --path"
+    elif status == 405:
+        hint = ": check --method"
+    return f"every probe was refused {status}{said}{hint}"
+
+
+def _answer_words(body: bytes) -> str:
+    import json
+
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        return body[:80].decode("utf-8", errors="replace").strip()
+    found: list[str] = []
+    stack = [data]
+    while stack and len(found) < 3:
+        item = stack.pop(0)  # breadth first, codes before messages
+        if isinstance(item, dict):
+            keys = ("errors", "error", "error_code", "code", "type", "message", "detail")
+            stack.extend(item.get(k) for k in keys)
+        elif isinstance(item, list):
+            stack.extend(item[:4])
+        elif isinstance(item, str):
+            found.append(item)
+    return " ".join(found)[:160]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -17,7 +18,7 @@ from outbox.checker.probes import (
     changed_payload,
     probe_key,
 )
-from outbox.checker.report import CheckReport
+from outbox.checker.report import CheckReport, cause_of
 from outbox.checker.verdicts import (
     changed_payload_refused,
     concurrent_duplicates,
@@ -96,14 +97,19 @@ async def check_receiver_async(
     body = canonical_json(json_body).encode()
     changed, changed_how = changed_payload(json_body)
     changed_body = canonical_json(changed).encode()
+
+    def fits(key: str) -> bool:  # the endpoint's key_pattern, on the key as sent
+        pattern = ep.key_pattern
+        return pattern is None or re.fullmatch(pattern, ep.wire_key(tenant, key)) is not None
+
     keys = {
-        "same_key": probe_key(),
-        "new_key": probe_key(),
-        "burst": probe_key(),
-        "retained": probe_key(),
+        "same_key": probe_key(fits),
+        "new_key": probe_key(fits),
+        "burst": probe_key(fits),
+        "retained": probe_key(fits),
     }
     if ep.tenant_scope is not None:
-        keys["tenants"] = probe_key()
+        keys["tenants"] = probe_key(fits)
     factory = outbox.transport_factory
     async with build_client(ep, factory(ep) if factory else None) as client:
         p = Prober(client, ep, method=method, path=path, tenant=tenant)
@@ -168,6 +174,12 @@ async def check_receiver_async(
         probe_keys=tuple(keys.values()),
         retention_delay_seconds=retention_delay,
         strict=strict,
+        cause=cause_of(
+            [
+                (q.status, q.body, q.error)
+                for q in (first, again, changed_probe, other, *burst, burst_after)
+            ]
+        ),
     )
 
 

@@ -207,6 +207,33 @@ def _render_watch(watch: Watch) -> None:
     out.print(table)
 
 
+def _render_body(op: Any) -> None:
+    """The body as the receiver gets it: JSON as text, a form as a table of fields, raw
+    bytes as size, digest and a hex head (never as text that a terminal interprets)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from outbox.base.safetext import neutralise
+    from outbox.forms import body_view
+
+    if op.body_raw is None:
+        out.print(f"body: {json.dumps(op.body, sort_keys=True)}", markup=False)
+        return
+    view = body_view(op.content_type, op.body_raw)
+    if view["kind"] == "form":
+        out.print(f"body: form, {view['size']} bytes ({op.content_type})", markup=False)
+        table = Table("field", "value")
+        for name, value in view["fields"]:
+            table.add_row(Text(neutralise(name)), Text(neutralise(value)))
+        out.print(table)
+        return
+    out.print(
+        f"body: {view['size']} bytes of {op.content_type}, sha256 {view.get('sha256', '-')}, "
+        f"starts {view.get('hex', '')}",
+        markup=False,
+    )
+
+
 def _render_report(report: OperationReport) -> None:
     from rich.table import Table
 
@@ -231,7 +258,7 @@ def _render_report(report: OperationReport) -> None:
     out.print(f"request: {op.method} {op.path}")
     if op.headers:
         out.print(f"headers: {json.dumps(op.headers, sort_keys=True)}")
-    out.print(f"body: {json.dumps(op.body, sort_keys=True)}", markup=False)
+    _render_body(op)
     if op.result is not None:
         out.print(
             f"result: {op.result.status_code} {json.dumps(op.result.body, sort_keys=True)}",

@@ -22,6 +22,7 @@ from outbox.errors import (
     StoreError,
     ValidationError,
 )
+from outbox.forms import body_view
 from outbox.model import Reason, State
 from outbox.reconcile import Reconciler, attempt_dict, parse_duration
 from outbox.reconcile.browse import (
@@ -260,7 +261,9 @@ class Views:
             actions=actions,
             attempts=attempts,
             headers=masked(op.headers, secret),
-            body=pretty_json(op.body),
+            body=pretty_json(op.body)
+            if op.body_raw is None
+            else pretty_json(body_view(op.content_type, op.body_raw)),
             result_headers=masked(op.result.headers if op.result else None, secret),
             result_body=pretty_json(op.result.body if op.result else None),
             json_limit=JSON_DISPLAY_LIMIT,

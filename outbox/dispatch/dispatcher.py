@@ -458,9 +458,9 @@ class Dispatcher:
                     operation_id=c.operation_id,
                     request_id=started.request_id,
                     tenant=c.tenant,
-                    has_body=c.body is not None,
+                    has_body=c.body is not None or c.body_raw is not None,
                 )
-                body = c.body.encode("utf-8") if c.body is not None else None
+                body = c.body_bytes()
             except Exception as exc:
                 log.warning("attempt_not_built", error=type(exc).__name__)
                 await self._outcomes.put(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from outbox.forms import body_view
 from outbox.model import (
     Attempt,
     Delivery,
@@ -198,6 +199,7 @@ def operation_dict(op: Operation) -> dict[str, Any]:
         "path": op.path,
         "headers": op.headers,
         "body": op.body,
+        "body_view": body_view(op.content_type, op.body_bytes),
         "state": op.state.value,
         "reason": op.reason.value if op.reason else None,
         "ordering_key": op.ordering_key,

@@ -49,6 +49,7 @@ def claimed_from_row(r: Any) -> Claimed:
     return Claimed(
         r[0], r[1], r[2], r[3], r[4], r[5], headers, r[7], r[8], r[9], bool(r[10]),
         bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem,
+        bytes(r[19]) if r[19] is not None else None,
     )  # fmt: skip
 
 
@@ -124,6 +125,7 @@ class DispatchQueries:
         operations.c.traceparent,
         operations.c.attempts_in_progress,
         operations.c.policy_window_ms,
+        operations.c.body_raw,
     )
 
     def claim(

@@ -39,6 +39,12 @@ class Claimed:
     #: Why the row cannot be sent as stored (a column changed outside outbox), if so:
     #: the dispatcher treats it as unsendable, like an unregistered endpoint.
     problem: str | None = None
+    #: The exact bytes of a form or raw body (``body`` is then None).
+    body_raw: bytes | None = None
+
+    def body_bytes(self) -> bytes | None:
+        """What the dispatcher sends as the body."""
+        return self.body.encode("utf-8") if self.body is not None else self.body_raw
 
 
 @dataclass(frozen=True, slots=True)

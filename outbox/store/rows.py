@@ -94,6 +94,7 @@ def operation_row(
         "path": args.path,
         "headers": json.dumps(args.headers, sort_keys=True, separators=(",", ":")),
         "body": args.body_json,
+        "body_raw": args.body_raw,
         "args_sha256": args.args_sha256,
         "ordering_key": ordering_key,
         "state": State.PENDING.value,
@@ -199,6 +200,7 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         policy=policy_from_row(r),
         priority=r.priority,
         not_before_ms=r.not_before,
+        body_raw=bytes(r.body_raw) if r.body_raw is not None else None,
     )
 
 

@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -99,6 +100,9 @@ operations = Table(
     Column("priority", Integer, nullable=False, server_default="0"),
     # A scheduled send: not claimed before this time (epoch ms); NULL: as soon as due.
     Column("not_before", BigInteger, nullable=True),
+    # The exact bytes of a form or raw body (content type: the stored content-type
+    # header); NULL for a JSON body (``body``) or none. Migration 0005.
+    Column("body_raw", LargeBinary, nullable=True),
     UniqueConstraint("tenant", "operation_id"),
 )
 

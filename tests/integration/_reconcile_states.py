@@ -308,6 +308,7 @@ OPERATION_KEYS = {
     "path",
     "headers",
     "body",
+    "body_view",  # the body as the receiver gets it (JSON, form fields, raw summary)
     "state",
     "reason",
     "ordering_key",

@@ -34,3 +34,17 @@ def test_a_gzipped_answer_is_kept_decoded_and_read_without_decoding_it_again() -
     assert probe.result == '{"effect_id":7}'
     assert probe.echoed_request_id == probe.request_id
     assert reading(probe) is Verdict.SUCCESS
+
+
+def test_probe_keys_fit_the_endpoints_key_pattern() -> None:
+    import re
+    import uuid as uuid_module
+
+    from outbox.checker.probes import PROBE_PREFIX, probe_key
+
+    uuid_only = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    key = probe_key(lambda k: re.fullmatch(uuid_only, k) is not None)
+    assert str(uuid_module.UUID(key)) == key  # a UUID for a receiver that takes only UUIDs
+    assert probe_key(lambda k: re.fullmatch(r"[0-9a-f]{32}", k) is not None).isalnum()
+    assert probe_key().startswith(PROBE_PREFIX)
+    assert probe_key(lambda k: True).startswith(PROBE_PREFIX)

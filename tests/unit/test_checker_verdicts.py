@@ -73,3 +73,26 @@ def test_a_replay_without_the_request_id_header_is_named_as_such() -> None:
     verdict = replay_fresh_request_id(o, same_key_same_result(o))
     assert verdict.passed is None
     assert "no X-Request-ID on the replay (nor on the first answer)" in verdict.summary
+
+
+def test_a_run_that_decided_nothing_fails_and_names_the_cause() -> None:
+    from outbox.checker.report import CheckReport, CheckVerdict, cause_of
+
+    refused = (
+        b'{"errors":[{"code":"INVALID_UUID_FORMAT","message":"Idempotency-Key must be a UUID"}]}'
+    )
+    cause = cause_of([(400, refused, None)] * 5)
+    assert cause is not None
+    assert cause.startswith("every probe was refused 400 INVALID_UUID_FORMAT")
+    assert "key format" in cause
+    assert cause_of([(400, refused, None), (201, b"{}", None)]) is None
+    assert cause_of([(None, b"", "ConnectError")] * 3) is not None
+    undecided = tuple(CheckVerdict(name, None, "could not tell", {}) for name in ("a", "b"))
+    report = CheckReport(
+        endpoint="rx", base_url="http://127.0.0.1:1", method="POST", path="/x", tenant="",
+        verdicts=undecided, probe_keys=("k",), retention_delay_seconds=0.0, cause=cause,
+    )  # fmt: skip
+    assert report.decided_nothing
+    assert (report.ok, report.exit_code) == (False, 1)  # without --strict
+    assert any("decided nothing" in line and "INVALID_UUID_FORMAT" in line
+               for line in report.lines())  # fmt: skip

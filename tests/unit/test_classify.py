@@ -80,3 +80,29 @@ def test_hostile_bodies_never_raise() -> None:
     assert body_reading(b"\xff\xfe" * 10) is None
     assert body_reading(b"[" * 100_000) is None
     assert body_reading(json.dumps({"error": {"code": None}}).encode()) is None
+
+
+# Answers recorded from real middlewares (issue 24): bytes as received.
+@pytest.mark.parametrize(
+    ("status", "body", "verdict"),
+    [
+        # express-idempotency: a changed payload under a used key.
+        (417, b'{"error":"Misuse of the idempotency key. Please check your request."}',
+         "key_conflict"),
+        (417, b'{"message":"Expectation Failed"}', "key_conflict"),
+        # JSON:API style error lists.
+        (422, b'{"errors":[{"error_code":"IDEMPOTENCY_KEY_REUSED",'
+              b'"reason":"request does not match the original"}]}', "key_conflict"),
+        # A conflict marker wins over an in-progress one in the same answer.
+        (409, b'{"detail":"Idempotency key in use with a different request"}', "key_conflict"),
+        (400, b'{"error":"parameters do not match the original request, still processing"}',
+         "key_conflict"),
+        # Stripe's in-progress answer stays "still processing" despite its error type.
+        (409, b'{"error":{"type":"idempotency_error","code":"idempotency_key_in_use",'
+              b'"message":"There is currently another in-progress request using this '
+              b'Idempotency-Key."}}', "in_progress"),
+    ],
+)  # fmt: skip
+def test_recorded_middleware_answers(status: int, body: bytes, verdict: str) -> None:
+    got = classify_response(httpx.Response(status, content=body), body, 0)
+    assert got.verdict.value == verdict

@@ -74,6 +74,7 @@ class _Incoming:
     body_sha256: str
     arrived_at_ms: int
     traceparent: str | None = None
+    content_type: str = ""
 
 
 _Headers = tuple[tuple[str, str], ...]
@@ -161,6 +162,7 @@ class Service:
             body_sha256=hashlib.sha256(body).hexdigest(),
             arrived_at_ms=now_ms(),
             traceparent=headers.get("traceparent"),
+            content_type=headers.get("Content-Type") or "",
         )
 
     # ---------------------------------------------------------------- request log
@@ -213,6 +215,10 @@ class Service:
             self._log_only(req, "fault:fail_before_work", early.status)
             return self._fail_reply(early, base)
         payload_hash, parsed, is_json = _canonical(req.method, req.target, req.body)
+        if not is_json and _is_form(req.content_type):
+            # Read as a form-reading API (Stripe, Twilio) reads it: the fields are what
+            # the handler and the stored result see; the binding stays on the bytes.
+            parsed, is_json = _form_fields(req.body), True
         if self._flaw == "ignores_key":  # flaw: no receipt at all, every request applies
             seq = self._writer.run(lambda conn: self._insert_log(conn, req, "received", None))
             return self._writer.run(
@@ -473,6 +479,24 @@ class Service:
                 return Reply(400, json_bytes(detail), base)
             return Reply(200, json_bytes({"ok": True}), base)
         return Reply(404, json_bytes({"error": "unknown_admin_route"}), base)
+
+
+def _is_form(content_type: str) -> bool:
+    media = content_type.split(";", maxsplit=1)[0].strip().lower()
+    return media == "application/x-www-form-urlencoded"
+
+
+def _form_fields(body: bytes) -> dict[str, Any]:
+    """Form fields by name: a str, or a list of str for a repeated name."""
+    fields: dict[str, Any] = {}
+    text = body.decode("utf-8", errors="replace")
+    for name, value in urllib.parse.parse_qsl(text, keep_blank_values=True):
+        if name in fields:
+            prior = fields[name]
+            fields[name] = [*prior, value] if isinstance(prior, list) else [prior, value]
+        else:
+            fields[name] = value
+    return fields
 
 
 def _canonical(method: str, target: str, body: bytes) -> tuple[str, Any, bool]:
