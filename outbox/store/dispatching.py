@@ -184,10 +184,13 @@ class DispatchQueries:
         lease_ms: int,
         limit: int,
         plan: Callable[[list[Claimed]], ClaimPlan],
+        statement: Any = None,
+        extra: dict[str, Any] | None = None,
     ) -> ClaimResult:
         claimed, recovered = self._claim_on(
-            conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
-        )
+            conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
+            statement=statement, extra=extra,
+        )  # fmt: skip
         if not claimed:
             return ClaimResult([], [], ClaimPlan(), [], set())
         decided = plan(claimed)
@@ -204,14 +207,17 @@ class DispatchQueries:
         return ClaimResult(claimed, recovered, decided, started, settled)
 
     def _claim_on(
-        self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
+        self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int,
+        statement: Any = None, extra: dict[str, Any] | None = None,
     ) -> tuple[list[Claimed], list[Recovered]]:
+        # ``statement``/``extra``: another claim of the same shape and its parameters
+        # (the half-open probe's, outbox.store.endpoints).
         until = now_ms + lease_ms
-        statement, has_was = self._claim_built
+        built, has_was = self._claim_built
         rows = conn.execute(
-            statement,
+            built if statement is None else statement,
             {"now_ms": now_ms, "limit": limit, "c_token": token, "c_owner": owner,
-             "c_until": until, "c_now": now_ms},
+             "c_until": until, "c_now": now_ms, **(extra or {})},
         ).all()  # fmt: skip
         if not rows:
             return [], []

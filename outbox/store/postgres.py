@@ -218,12 +218,12 @@ class PostgresStore(Store):
             },
         )
 
-    def _claim_statement(self) -> Any:
+    def _claim_statement(self, probe: bool = False) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts
         # runs only when a row was taken over from an expired lease (a round trip saved
         # on every other claim).
         due = (
-            claimable_ids(*claim_limits())
+            claimable_ids(*claim_limits(), probe=probe)
             .add_columns(operations.c.state.label("was"))
             .with_for_update(skip_locked=True, of=operations)
             .cte("due")
@@ -235,6 +235,13 @@ class PostgresStore(Store):
             .values(CLAIM_VALUES)
             .returning(*self._CLAIMED_COLUMNS, due.c.was)
         )
+
+    @functools.cached_property
+    def _probe_claim(self) -> Any:
+        return self._claim_statement(probe=True)
+
+    def _probe_claim_statement(self) -> Any:
+        return self._probe_claim
 
     def server_time_ms(self) -> int | None:
         with self.read() as conn:
