@@ -107,8 +107,9 @@ def status(
         require_dispatcher=check and dispatcher_check,
         max_unsendable=0 if check else None,
     )
+    circuits = _circuits(obj, report.problems)
     if as_json:
-        _emit_json(report.as_dict())
+        _emit_json({**report.as_dict(), "ok": not report.problems, "endpoints": circuits})
     else:
         from rich.table import Table
 
@@ -129,10 +130,26 @@ def status(
         out.print(f"live operations within an hour of key expiry: {report.keys_near_expiry}")
         if report.watch is not None:
             _render_watch(report.watch)
+        for c in circuits:
+            state = "paused" if c["paused"] else c["circuit"]
+            why = c["reason"] or "-"
+            out.print(f"endpoint {c['endpoint']}: {state} since {c['since']} ({why})")
         for problem in report.problems:
             out.print(f"PROBLEM: {problem}")
     if check and report.problems:
         sys.exit(EXIT_REFUSED)
+
+
+def _circuits(obj: Context, problems: list[str]) -> list[dict[str, object]]:
+    """Each endpoint's fleet state (circuit, pause); an open circuit is a problem."""
+    from outbox.cli.endpoints import _row
+
+    rows = [_row(s) for s in obj.outbox().store.endpoint_states()]
+    for r in rows:
+        if r["circuit"] != "closed" and not r["paused"]:
+            problems.append(f"endpoint {r['endpoint']}: circuit {r['circuit']} since "
+                            f"{r['since']}: {r['reason']}")  # fmt: skip
+    return rows
 
 
 def _render_watch(watch: Watch) -> None:
