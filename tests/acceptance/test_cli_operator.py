@@ -185,7 +185,7 @@ def test_a_file_without_the_schema_or_an_old_one_is_exit_3_with_a_runnable_fix(
     assert run_hint(line, "run:").returncode == 0
     assert run(["status", "--db", url]).returncode == 0
 
-    # A schema one revision behind: named, and the same fix upgrades it.
+    # A schema revisions behind: named, and the same fix upgrades it.
     from outbox.store.engine import create_engine
     from outbox.store.migrate import downgrade
 
@@ -195,7 +195,7 @@ def test_a_file_without_the_schema_or_an_old_one_is_exit_3_with_a_runnable_fix(
     old = run(["reconcile", "list", "--db", url])
     assert old.returncode == 3
     line = one_error_line(old)
-    assert "is at revision 0001, not 0002" in line
+    assert "is at revision 0001, not 0003" in line
     assert run_hint(line, "run:").returncode == 0
     assert run(["reconcile", "list", "--db", url]).returncode == 0
 
