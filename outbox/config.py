@@ -100,8 +100,15 @@ class RetryPolicy:
     #: Backoff between "still processing" answers (default: 2^(n-1) s plus as much again
     #: of jitter, capped at 60 s plus jitter; never below one second).
     in_progress_wait: WaitStrategy = field(default_factory=_default_in_progress_wait)
+    #: The business deadline of an operation no attempt of which was ever sent
+    #: (connection refused, DNS, TLS, circuit open): counted from its enqueue, it bounds
+    #: how long delivery is tried before it goes to reconciliation as ``never_delivered``.
+    #: The ``window`` starts only at the first attempt that may have been applied.
+    deliver_within: timedelta = timedelta(hours=24)
 
     def __post_init__(self) -> None:
+        if self.deliver_within <= timedelta(0):
+            raise ConfigurationError(f"deliver_within must be positive, got {self.deliver_within}")
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.in_progress_budget < 0:
@@ -116,6 +123,36 @@ class RetryPolicy:
     @property
     def window_ms(self) -> int:
         return int(self.window.total_seconds() * 1000)
+
+    @property
+    def deliver_within_ms(self) -> int:
+        return int(self.deliver_within.total_seconds() * 1000)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircuitBreaker:
+    """When an endpoint's circuit opens and how it is probed (``outbox.dispatch.breaker``).
+
+    The state is shared by every dispatcher of the database (``outbox_endpoints``).
+    """
+
+    #: Consecutive failures that are not a success (not sent, 5xx, timeouts) seen by one
+    #: dispatcher that open the circuit for the whole fleet.
+    failure_threshold: int = 5
+    #: The wait before the first half-open probe; doubled per failed probe (with jitter:
+    #: between half and all of it), at most ``probe_max_wait``.
+    probe_wait: timedelta = timedelta(seconds=1)
+    probe_max_wait: timedelta = timedelta(seconds=60)
+    #: How often a dispatcher re-reads the fleet's endpoint states (one small SELECT).
+    refresh_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1:
+            raise ConfigurationError("failure_threshold must be at least 1")
+        if self.probe_wait <= timedelta(0) or self.probe_max_wait < self.probe_wait:
+            raise ConfigurationError("probe_wait must be positive and at most probe_max_wait")
+        if not self.refresh_seconds > 0:
+            raise ConfigurationError("refresh_seconds must be positive")
 
 
 #: Classifies a status lookup's (fully read) response.
@@ -264,6 +301,8 @@ class Endpoint:
     #: At most this many operations of one tenant in flight to this endpoint at once,
     #: counted by every dispatcher of the database together; None: no such limit.
     tenant_max_in_flight: int | None = None
+    #: The fleet-wide circuit breaker of this endpoint; None: never opens (pause still works).
+    circuit_breaker: CircuitBreaker | None = field(default_factory=CircuitBreaker)
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):

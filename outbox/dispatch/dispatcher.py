@@ -23,6 +23,7 @@ from outbox.base.logs import get_logger
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import failpoints, heartbeat
+from outbox.dispatch.breaker import Breaker
 from outbox.dispatch.dbthread import (
     DatabaseUnresponsive,
     DbThread,
@@ -36,6 +37,7 @@ from outbox.dispatch.outcomes import (
     default_dispatcher_id,
     not_sent_outcome,
     plan_claimed,
+    send_deadline_ms,
     transition_event,
 )
 from outbox.dispatch.unresolved import OnUnresolved, UnresolvedLookups
@@ -127,6 +129,12 @@ class Dispatcher:
         self._lease_ends: dict[int, float] = {}
         self._last_clock_sync = clock.monotonic()
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
+        #: This dispatcher's part in the fleet's circuit breakers (outbox.dispatch.breaker).
+        self.breaker = Breaker(
+            store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
+            now_ms=clock.now_ms, monotonic=clock.monotonic, run_db=self._run_db,
+            lease_ms=int(self.lease_seconds * 1000), log=self._log,
+        )  # fmt: skip
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
         #: What wakes this dispatcher when idle (see outbox.dispatch.wakeup); ``wakeup.stats``
@@ -250,12 +258,14 @@ class Dispatcher:
                     continue
                 try:
                     await self._maybe_sync_clock()
+                    await self.breaker.tick(self._claim_probe)
                     self.wakeup.before_claim()
                     got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
                     if nothing and not once:
                         self.wakeup.next_due(
                             await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
                         )
+                        self.wakeup.due_at(self.breaker.next_probe_ms())
                 except (StoreError, DBAPIError) as exc:
                     # Locked, read-only or unreachable: nothing was claimed (or the claim's
                     # lease will simply expire). Back off and try again; never crash.
@@ -408,6 +418,17 @@ class Dispatcher:
             for s in result.started
         ]  # fmt: skip
 
+    async def _claim_probe(self, endpoint: str) -> int:
+        """Claim and start the half-open probe of ``endpoint`` (one due operation)."""
+        args = self._claim_args(1)
+        kwargs = {k: v for k, v in args.kwargs.items() if k != "limit"}
+        works = await self._claimed(
+            await self._run_db(self.store.claim_probe, endpoint=endpoint, **kwargs), args
+        )
+        self.breaker.probes.update((w.claimed.pk, endpoint) for w in works)
+        self._start(works)
+        return len(works)
+
     async def _attempt(self, work: Work) -> None:
         c, endpoint, started = work.claimed, work.endpoint, work.started
         log = self._log.bind(
@@ -434,10 +455,7 @@ class Dispatcher:
                     )
                 )
                 return
-            deadline = endpoint.deadline_ms(
-                window_started_at_ms=started.window_started_at,
-                first_attempt_at_ms=started.first_attempt_at,
-            )
+            deadline = send_deadline_ms(c, endpoint, started, self.clock.now_ms())
             if self.clock.now_ms() > deadline:
                 # The window closed between the claim and now: never send after it. The
                 # next claim settles the operation as unresolved.
@@ -491,7 +509,10 @@ class Dispatcher:
                 duration_ms=result.duration_ms,
             )
             await failpoints.hit("after_response")
-            await self._outcomes.put(attempt_outcome(work, result, self.clock.now_ms()))
+            down = self.breaker.known_down(endpoint.name, c.pk)
+            await self._outcomes.put(
+                attempt_outcome(work, result, self.clock.now_ms(), known_down=down)
+            )
         except Exception as exc:
             # A bug or a failpoint: leave the attempt open. The lease expires and the
             # next claim records it as unknown; nothing is lost or resent early.
@@ -524,14 +545,17 @@ class Dispatcher:
             written, claim = await self._record_outcomes(batch)
             try:  # whatever the bookkeeping does, the slots and a carried claim are settled
                 now = self.clock.now_ms()
+                seen: list[tuple[AttemptOutcome, str | None]] = []
                 for out in batch:
                     self._observe.outcome(out, applied=out.pk in written, now_ms=now)
                     if out.state is State.PENDING and out.pk in written:
                         self.wakeup.due_at(out.next_attempt_at)
                     names = self._log_transition(out, applied=out.pk in written)
+                    seen.append((out, names.get("endpoint")))
                     if out.pk in written and out.state is State.UNRESOLVED:
                         endpoint = self.endpoints.get(names.get("endpoint", ""))
                         self._lookups.maybe(out, endpoint, names)
+                await self.breaker.observe(seen)
                 await failpoints.hit("after_outcome")
             finally:
                 self._release_slot(len(batch))

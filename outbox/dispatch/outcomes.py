@@ -124,6 +124,28 @@ def unsendable_settlement(
     )
 
 
+def never_sent(c: Claimed) -> bool:
+    """No attempt of the operation was ever sent: it carries no duplicate risk."""
+    return not c.maybe_delivered and not c.saw_refusal
+
+
+def business_deadline_ms(c: Claimed, endpoint: Endpoint, now_ms: int) -> int:
+    """The last moment a never-sent operation may still be tried: its enqueue plus the
+    policy's ``deliver_within``."""
+    return (c.created_at if c.created_at is not None else now_ms) + endpoint.retry.deliver_within_ms
+
+
+def send_deadline_ms(c: Claimed, endpoint: Endpoint, started: StartedAttempt, now_ms: int) -> int:
+    """The last moment this attempt may start: the business deadline while the operation
+    was never sent, else its window (started at its first maybe-applied attempt)."""
+    if never_sent(c):
+        return business_deadline_ms(c, endpoint, now_ms)
+    return endpoint.deadline_ms(
+        window_started_at_ms=started.window_started_at,
+        first_attempt_at_ms=started.first_attempt_at,
+    )
+
+
 def not_sent_outcome(
     work: Work, error_class: ErrorClass, message: str, now_ms: int
 ) -> AttemptOutcome:
@@ -149,16 +171,29 @@ def not_sent_outcome(
     )
 
 
-def attempt_outcome(work: Work, result: AttemptResult, now_ms: int) -> AttemptOutcome:
+def attempt_outcome(
+    work: Work, result: AttemptResult, now_ms: int, *, known_down: bool = False
+) -> AttemptOutcome:
     """The outcome of a request that was sent (or may have been): the policy decides
-    the operation's next state from the answer and the history on its row."""
+    the operation's next state from the answer and the history on its row. A request
+    proven not sent while its endpoint is ``known_down`` (circuit not closed, a probe)
+    does not spend ``max_attempts``; an operation never sent is bounded by its business
+    deadline, not by the window."""
     c, endpoint, started = work.claimed, work.endpoint, work.started
     cls = result.classification
     in_progress = cls.verdict is Verdict.IN_PROGRESS
-    counted = not in_progress
+    not_sent = cls.delivery is Delivery.NOT_SENT
+    counted = not in_progress and not (not_sent and known_down)
     maybe = c.maybe_delivered or cls.maybe_applied or cls.delivery is Delivery.UNKNOWN
     refused = c.saw_refusal or cls.refused
     now = now_ms
+    if not maybe and not refused:
+        deadline = business_deadline_ms(c, endpoint, now)
+    else:
+        deadline = endpoint.deadline_ms(
+            window_started_at_ms=started.window_started_at,
+            first_attempt_at_ms=started.first_attempt_at,
+        )
     decision = decide(
         endpoint=endpoint,
         verdict=cls.verdict,
@@ -166,10 +201,7 @@ def attempt_outcome(work: Work, result: AttemptResult, now_ms: int) -> AttemptOu
         maybe_delivered=maybe,
         saw_refusal=refused,
         retry_after_seconds=cls.retry_after_seconds,
-        deadline_ms=endpoint.deadline_ms(
-            window_started_at_ms=started.window_started_at,
-            first_attempt_at_ms=started.first_attempt_at,
-        ),
+        deadline_ms=deadline,
         now_ms=now,
         attempts_in_progress=c.attempts_in_progress + (1 if in_progress else 0),
     )
@@ -253,9 +285,13 @@ def plan_claimed(
                 unsendable.setdefault(problem, []).append(c)
             continue
         assert endpoint is not None
-        deadline = endpoint.deadline_ms(
-            window_started_at_ms=c.window_started_at or now,
-            first_attempt_at_ms=c.first_attempt_at or now,
+        deadline = (
+            business_deadline_ms(c, endpoint, now)
+            if never_sent(c)
+            else endpoint.deadline_ms(
+                window_started_at_ms=c.window_started_at or now,
+                first_attempt_at_ms=c.first_attempt_at or now,
+            )
         )
         if c.attempts_total and (
             now > deadline or c.attempts_counted >= endpoint.retry.max_attempts

@@ -29,6 +29,8 @@ Metric names (labels in braces):
   ``outbox_unsendable_operations{endpoint}``: every registered endpoint, 0 when it has
   no live operation
 * ``outbox_dispatcher_requests_in_flight``: this process's operations on the wire
+* ``outbox_endpoint_circuit_state{endpoint}``: 0 closed, 1 half open, 2 open, 3 paused
+  (endpoints that never failed nor were paused have no sample)
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
 
 logger = get_logger("outbox.metrics")
 
+#: ``outbox_endpoint_circuit_state`` values (3: paused by an operator).
+_CIRCUIT_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 _DELAY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 _SETTLE_BUCKETS = (*_DELAY_BUCKETS, 4 * 3600, 24 * 3600)
 
@@ -72,6 +76,7 @@ class _Backlog(Collector):
         self._lock = threading.Lock()
         self._snapshot: Figures | None = None
         self._taken_at = -float("inf")
+        self._circuits: dict[str, float] = {}
 
     def snapshot(self) -> Figures | None:
         with self._lock:
@@ -82,6 +87,10 @@ class _Backlog(Collector):
                     self._snapshot = figures(
                         self._outbox, now_ms=self._outbox.clock.now_ms(), settled=False
                     )
+                    self._circuits = {
+                        e.name: _CIRCUIT_VALUES[e.circuit.value] if not e.paused else 3.0
+                        for e in self._outbox.store.endpoint_states()
+                    }
                 except Exception as exc:
                     # Serve the previous snapshot; /readyz tells whether the database answers.
                     logger.warning("metrics_backlog_failed", error=type(exc).__name__,
@@ -126,6 +135,14 @@ class _Backlog(Collector):
         for reason, n in sorted(snap.unresolved_by_reason.items()) if snap else ():
             unresolved.add_metric([reason], n)
         yield unresolved
+        circuit = GaugeMetricFamily(
+            "outbox_endpoint_circuit_state",
+            "The endpoint's circuit, fleet-wide: 0 closed, 1 half open, 2 open, 3 paused.",
+            labels=["endpoint"],
+        )
+        for name, value in sorted(self._circuits.items()) if snap else ():
+            circuit.add_metric([name], value)
+        yield circuit
 
 
 #: EndpointFigures field -> (metric name, HELP text naming the unit)

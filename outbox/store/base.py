@@ -16,7 +16,7 @@ from outbox.model import (
     State,
 )
 from outbox.store.direct import DirectInsert
-from outbox.store.dispatching import DispatchQueries
+from outbox.store.endpoints import EndpointQueries
 from outbox.store.marker import note_marker
 from outbox.store.operator import OperatorQueries
 from outbox.store.records import (
@@ -34,7 +34,7 @@ from outbox.store.statements import (
 from outbox.store.tables import attempts, operations
 
 
-class Store(OperatorQueries, DispatchQueries):
+class Store(OperatorQueries, EndpointQueries):
     """Every read and write of the outbox tables. Subclasses add the dialect's claim."""
 
     dialect = "generic"

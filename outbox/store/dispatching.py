@@ -196,10 +196,13 @@ class DispatchQueries:
         lease_ms: int,
         limit: int,
         plan: Callable[[list[Claimed]], ClaimPlan],
+        statement: Any = None,
+        extra: dict[str, Any] | None = None,
     ) -> ClaimResult:
         claimed, recovered = self._claim_on(
-            conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
-        )
+            conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
+            statement=statement, extra=extra,
+        )  # fmt: skip
         if not claimed:
             return ClaimResult([], [], ClaimPlan(), [], set())
         decided = plan(claimed)
@@ -216,24 +219,30 @@ class DispatchQueries:
         return ClaimResult(claimed, recovered, decided, started, settled)
 
     def _claim_on(
-        self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
+        self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int,
+        statement: Any = None, extra: dict[str, Any] | None = None,
     ) -> tuple[list[Claimed], list[Recovered]]:
+        # ``statement``/``extra``: another claim of the same shape and its parameters
+        # (the half-open probe's, outbox.store.endpoints).
         until = now_ms + lease_ms
-        statement, has_was = self._claim_built
+        built, has_was = self._claim_built
         self._before_claim(conn)
         cursor = self.tenant_cursor
-        rows = conn.execute(
-            statement,
-            {"now_ms": now_ms, "limit": limit, "c_token": token, "c_owner": owner,
-             "c_until": until, "c_now": now_ms, "cursor": cursor,
-             "caps": caps_json(self.tenant_caps)},
-        ).all()  # fmt: skip
+        params: dict[str, Any] = {
+            "now_ms": now_ms, "limit": limit, "c_token": token, "c_owner": owner,
+            "c_until": until, "c_now": now_ms,
+        }  # fmt: skip
+        if statement is None:  # the fair claim: its rotation and per-tenant limits
+            params.update(cursor=cursor, caps=caps_json(self.tenant_caps))
+        rows = conn.execute(built if statement is None else statement,
+                            {**params, **(extra or {})}).all()  # fmt: skip
         if not rows:
             return [], []
         claimed = [claimed_from_row(r) for r in rows]
-        # Where the rows carry their round and rotation place (PostgreSQL), by them.
-        places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= _PLACED else None
-        self.tenant_cursor = next_cursor([c.tenant for c in claimed], places, cursor)
+        if statement is None:
+            # Where the rows carry their round and rotation place (PostgreSQL), by them.
+            places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= _PLACED else None
+            self.tenant_cursor = next_cursor([c.tenant for c in claimed], places, cursor)
         # Only a row taken over from an expired lease can have an open attempt. A
         # dialect whose claim cannot say what the row was (no "was" column) checks all.
         in_flight = State.IN_FLIGHT.value

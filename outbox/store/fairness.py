@@ -18,6 +18,9 @@ this tenant": a ``LATERAL`` join on PostgreSQL (locked with ``FOR UPDATE SKIP LO
 in the outer select), a correlated ``IN (... LIMIT)`` on SQLite (which has no
 ``LATERAL``; the claim runs under the database's single write lock).
 
+Operations of an endpoint the fleet has blocked (its circuit open or half open, or
+paused: ``outbox_endpoints.blocked``) are not claimable here.
+
 The per-tenant in-flight limit (``Endpoint.tenant_max_in_flight``) arrives as a JSON
 object ``{endpoint: limit}`` in the parameter ``caps``: a tenant's rows of a capped
 endpoint are taken only while its in-flight rows there (counted through
@@ -66,6 +69,11 @@ def fair_claim_sql(dialect: str) -> str:
         f"SELECT 1 FROM {_T} AS e WHERE e.tenant = o.tenant AND e.ordering_key = o.ordering_key"
         f" AND e.id < o.id AND e.state IN ({sql_list(BLOCKING_STATES)})"
     )
+    # The endpoint's circuit is open or half open, or an operator paused it
+    # (store.endpoints): nothing of it is claimed here; its probe has a claim of its own.
+    endpoint_blocked = (
+        "SELECT 1 FROM outbox_endpoints AS b WHERE b.name = o.endpoint AND b.blocked = 1"
+    )
     cap = _cap(dialect, "o")
     in_flight = (
         f"(SELECT count(*) FROM {_T} AS f{fx} WHERE f.state = 'in_flight' "
@@ -77,6 +85,7 @@ def fair_claim_sql(dialect: str) -> str:
         f"FROM {_T} AS o{ix} WHERE o.tenant = ring.tenant AND o.{_DUE} "
         f"AND o.next_attempt_at <= :now_ms "
         f"AND (o.ordering_key IS NULL OR NOT EXISTS ({blocked})) "
+        f"AND NOT EXISTS ({endpoint_blocked}) "
         f"AND ({cap} IS NULL OR {in_flight} < {cap})"
     )
     rows_of_tenant = (

@@ -49,6 +49,7 @@ from outbox.store.statements import (
     OutcomeShape,
     attempt_outcome_update,
     claim_limits,
+    claimable_ids,
     outcome_shape,
     outcome_update,
 )
@@ -244,6 +245,27 @@ class PostgresStore(Store):
             .values(CLAIM_VALUES)
             .returning(*self._CLAIMED_COLUMNS, due.c.rn, due.c.pos, due.c.was)
         )
+
+    @functools.cached_property
+    def _probe_claim(self) -> Any:
+        # The half-open probe (store.endpoints): one due row of the blocked endpoint
+        # ``probe_endpoint``, outside the fair rotation.
+        due = (
+            claimable_ids(*claim_limits(), probe=True)
+            .add_columns(operations.c.state.label("was"))
+            .with_for_update(skip_locked=True, of=operations)
+            .cte("due")
+            .prefix_with("MATERIALIZED")
+        )
+        return (
+            update(operations)
+            .where(operations.c.id == due.c.id)
+            .values(CLAIM_VALUES)
+            .returning(*self._CLAIMED_COLUMNS, due.c.was)
+        )
+
+    def _probe_claim_statement(self) -> Any:
+        return self._probe_claim
 
     def _before_claim(self, conn: Connection) -> None:
         # The fair claim's recursive walk is estimated far above jit_above_cost, and

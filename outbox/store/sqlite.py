@@ -83,6 +83,19 @@ class SqliteStore(Store):
             .returning(*self._CLAIMED_COLUMNS)
         )
 
+    @functools.cached_property
+    def _probe_claim(self) -> Any:
+        due = claimable_ids(*claim_limits(), probe=True).scalar_subquery()
+        return (
+            update(operations)
+            .where(operations.c.id.in_(due))
+            .values(CLAIM_VALUES)
+            .returning(*self._CLAIMED_COLUMNS)
+        )
+
+    def _probe_claim_statement(self) -> Any:
+        return self._probe_claim
+
     def _pks_in(self, column: ColumnElement[Any], name: str) -> ColumnElement[bool]:
         # The keys as one JSON array: the same SQL text (and prepared statement) for
         # any number of keys, each looked up by primary key or index.

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Select,
     and_,
     bindparam,
+    case,
     exists,
     func,
     insert,
@@ -25,7 +26,7 @@ from sqlalchemy.sql.expression import FromClause
 
 from outbox.model import BLOCKING_STATES, DUE_STATES, Delivery, ErrorClass, State, state_values
 from outbox.store.records import AttemptOutcome
-from outbox.store.tables import attempts, operations
+from outbox.store.tables import attempts, endpoint_states, operations
 
 
 def _states(*states: State) -> list[Any]:
@@ -62,10 +63,21 @@ def blocks(earlier: FromClause, *, tenant: Any, ordering_key: Any, pk: Any) -> C
     )
 
 
-def claimable_ids(now_ms: Any, limit: Any) -> Select[Any]:
+def endpoint_blocked() -> ColumnElement[bool]:
+    """The operation's endpoint is blocked fleet-wide: its circuit is open or half open,
+    or an operator paused it (``outbox.store.endpoints``). Nothing of it is claimed."""
+    return exists().where(
+        endpoint_states.c.name == operations.c.endpoint,
+        endpoint_states.c.blocked == literal_column("1"),
+    )
+
+
+def claimable_ids(now_ms: Any, limit: Any, *, probe: bool = False) -> Select[Any]:
     """The ids a claim may take, oldest due first: due, and not held back by an earlier
     operation of its ordering key. The one definition: PostgreSQL's claim selects it,
-    SQLite's claim is this compiled once to text (``store.sqlite``)."""
+    SQLite's claim is this compiled once to text (``store.sqlite``). Operations of a
+    blocked endpoint are left out, except by a ``probe`` claim, which takes only those
+    of the endpoint ``probe_endpoint`` (the half-open probe)."""
     earlier = operations.alias("earlier")
     blocked = exists().where(
         blocks(
@@ -75,13 +87,16 @@ def claimable_ids(now_ms: Any, limit: Any) -> Select[Any]:
             pk=operations.c.id,
         )
     )
-    return (
+    ids = (
         select(operations.c.id)
         .where(due_at(now_ms))
         .where(or_(operations.c.ordering_key.is_(None), ~blocked))
-        .order_by(operations.c.next_attempt_at)
-        .limit(limit)
     )
+    if probe:
+        ids = ids.where(operations.c.endpoint == bindparam("probe_endpoint"))
+    else:
+        ids = ids.where(~endpoint_blocked())
+    return ids.order_by(operations.c.next_attempt_at).limit(limit)
 
 
 #: What a claim sets, with the parameters ``c_token``, ``c_owner``, ``c_until`` (the
@@ -216,14 +231,21 @@ class BatchStatements:
 
 def batch_statements(pks_in: PksIn) -> BatchStatements:
     now = bindparam("b_now", type_=BigInteger)
+    _ever_sent = or_(operations.c.maybe_delivered, operations.c.saw_refusal)
     begin = (
         update(operations)
         .where(pks_in(operations.c.id, "b_ids"), operations.c.lease_token == bindparam("b_token"))
         .values(
             attempts_total=operations.c.attempts_total + 1,
             attempts_counted=operations.c.attempts_counted + 1,
-            first_attempt_at=func.coalesce(operations.c.first_attempt_at, now),
-            window_started_at=func.coalesce(operations.c.window_started_at, now),
+            # Never sent is not maybe applied: until an attempt may have reached the
+            # receiver, each attempt starts the window (and the key's life) afresh.
+            first_attempt_at=case(
+                (_ever_sent, func.coalesce(operations.c.first_attempt_at, now)), else_=now
+            ),
+            window_started_at=case(
+                (_ever_sent, func.coalesce(operations.c.window_started_at, now)), else_=now
+            ),
             last_error=None,
             updated_at=now,
         )

@@ -207,6 +207,30 @@ dispatchers = Table(
 )
 Index("ix_outbox_dispatchers_last_seen_at", dispatchers.c.last_seen_at)
 
+# The state of each receiver endpoint the fleet shares (outbox.store.endpoints): its
+# circuit breaker, an operator's pause. No row = closed, never failed.
+endpoint_states = Table(
+    "outbox_endpoints",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    #: closed | open | half_open
+    Column("circuit", String(16), nullable=False, server_default="closed"),
+    #: 1 while no ordinary claim may take its operations (open, half open or paused):
+    #: the one column the claim's predicate reads.
+    Column("blocked", Integer, nullable=False, server_default="0"),
+    Column("paused", Integer, nullable=False, server_default="0"),
+    Column("reason", Text, nullable=True),
+    Column("since", BigInteger, nullable=False),
+    #: Consecutive failures (not sent, 5xx, timeouts) the fleet saw while closed.
+    Column("failures", Integer, nullable=False, server_default="0"),
+    #: Half-open probes sent since the circuit opened (spaces the next one).
+    Column("probes", Integer, nullable=False, server_default="0"),
+    Column("next_probe_at", BigInteger, nullable=True),
+    Column("probe_owner", String(255), nullable=True),
+    Column("probe_until", BigInteger, nullable=True),
+    Column("updated_at", BigInteger, nullable=False),
+)
+
 
 #: The partial indexes: the same predicate on every database. Naming a ``postgresql_*``
 #: option loads SQLAlchemy's PostgreSQL dialect (tens of milliseconds), which a SQLite

@@ -186,7 +186,7 @@ def test_a_file_without_the_schema_or_an_old_one_is_exit_3_with_a_runnable_fix(
     assert run_hint(line, "run:").returncode == 0
     assert run(["status", "--db", url]).returncode == 0
 
-    # A schema one revision behind: named, and the same fix upgrades it.
+    # A schema revisions behind: named, and the same fix upgrades it.
     from outbox.store.engine import create_engine
     from outbox.store.migrate import downgrade
 

@@ -223,3 +223,51 @@ def test_processes_refuses_once(db_url: str, receiver: Receiver) -> None:
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert b"--once and --processes" in err
+
+
+def test_a_probe_holder_killed_is_replaced_after_its_lease(
+    db_url: str, receiver: Receiver
+) -> None:
+    """An open circuit, its probe due: the first `outbox dispatch` takes the probe lease,
+    commits the probe's attempt and is SIGKILLed before sending. Nothing else of the
+    endpoint goes out; the second process takes the probe once the lease ends, and its
+    success closes the circuit for everyone."""
+    from outbox.store.endpoints import Circuit
+
+    ob = _outbox(db_url, receiver)
+    try:
+        for i in range(3):
+            ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": i},
+                       operation_id=f"probe-{i}")  # fmt: skip
+        now = ob.clock.now_ms()
+        assert ob.store.count_failures("receiver", failures=5, threshold=5, reason="test",
+                                       now_ms=now, next_probe_at=now)  # fmt: skip
+        env = _env(db_url, receiver, OUTBOX_TEST_TIMEOUT="1", OUTBOX_TEST_LEASE="3",
+                   OUTBOX_FAILPOINTS="after_attempt_commit=kill",
+                   OUTBOX_FAILPOINTS_ENABLE="i-understand")  # fmt: skip
+        first = _dispatcher(env)
+        try:
+            first.wait(timeout=30)
+        finally:
+            _stop(first)
+        assert first.returncode == -signal.SIGKILL
+        [held] = ob.store.endpoint_states()
+        assert held.circuit is Circuit.HALF_OPEN and held.probe_owner is not None
+        assert held.probe_until is not None
+        assert receiver.requests() == []
+        env.pop("OUTBOX_FAILPOINTS")
+        second = _dispatcher(env)
+        try:
+            _wait_for(lambda: all(ob.get(f"probe-{i}").state is State.SUCCEEDED
+                                  for i in range(3)), 40, "the backlog to drain")  # fmt: skip
+        finally:
+            second.send_signal(signal.SIGTERM)
+            second.wait(timeout=15)
+            _stop(second)
+        [closed] = ob.store.endpoint_states()
+        assert closed.circuit is Circuit.CLOSED and closed.probe_owner is None
+        first_sent = min(r.arrived_at_ms for r in receiver.requests())
+        assert first_sent >= held.probe_until  # not before the killed holder's lease ended
+        assert all(receiver.effect_count(key=f"probe-{i}") == 1 for i in range(3))
+    finally:
+        ob.close()

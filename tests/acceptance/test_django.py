@@ -98,6 +98,7 @@ def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Sh
         ("outbox", "0002_claim_order"),
         ("outbox", "0003_outbox_wake_mode"),
         ("outbox", "0004_request_forms"),
+        ("outbox", "0005_endpoint_state"),
     ]
     out = shop.outbox("--db", shop.url, "migrate").stdout
     assert f"(was {HEAD})" in out
@@ -117,6 +118,7 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
         ("outbox", "0002_claim_order"),
         ("outbox", "0003_outbox_wake_mode"),
         ("outbox", "0004_request_forms"),
+        ("outbox", "0005_endpoint_state"),
     ]
 
 

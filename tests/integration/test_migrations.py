@@ -21,6 +21,7 @@ OUTBOX_TABLES = {
     "outbox_operations",
     "outbox_attempts",
     "outbox_audit",
+    "outbox_endpoints",
     "outbox_dispatchers",
 }
 HOST_REVISION = "host_app_rev_42"

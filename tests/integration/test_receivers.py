@@ -231,7 +231,8 @@ def test_a_window_closing_between_claim_and_send_is_named_as_such(
     async def close_the_window(point: str) -> None:
         clock.jump_wall(61)  # wall time only: the lease (monotonic) is still fine
 
-    policy = RetryPolicy(window=timedelta(seconds=60))
+    # Never sent, the operation is bounded by its delivery deadline, not by the window.
+    policy = RetryPolicy(window=timedelta(seconds=60), deliver_within=timedelta(seconds=60))
     with Outbox(db_url, endpoints=[endpoint(rx.url, retry=policy)], clock=clock) as ob:
         reserve(ob)
         failpoints.register("after_attempt_commit", close_the_window)

@@ -1,0 +1,80 @@
+"""``outbox endpoint list|pause|resume``: the fleet's view of each receiver endpoint
+(circuit breaker, pause) and an operator's planned-maintenance switch, audited."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+from outbox.cli.root import json_option, main, out
+from outbox.cli.support import Context, command
+from outbox.model import ms_to_iso
+
+
+@main.group()
+def endpoint() -> None:
+    """See and pause the receiver endpoints (circuit breaker state, maintenance)."""
+
+
+def _row(s: object) -> dict[str, object]:
+    from outbox.store.endpoints import EndpointState
+
+    assert isinstance(s, EndpointState)
+    return {
+        "endpoint": s.name, "circuit": s.circuit.value, "paused": s.paused,
+        "reason": s.reason, "since": ms_to_iso(s.since), "probes": s.probes,
+        "next_probe_at": ms_to_iso(s.next_probe_at) if s.next_probe_at else None,
+        "probe_owner": s.probe_owner,
+    }  # fmt: skip
+
+
+@command(endpoint, "list", reads=True)
+@json_option
+def endpoint_list(obj: Context, as_json: bool) -> None:
+    """Each endpoint that ever failed or was paused: circuit, reason, since when."""
+    rows = [_row(s) for s in obj.outbox().store.endpoint_states()]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        state = "paused" if r["paused"] else r["circuit"]
+        out.print(f"{r['endpoint']}: {state} since {r['since']} ({r['reason'] or '-'})")
+
+
+def _set(obj: Context, name: str, *, paused: bool, note: str, operator: str | None,
+         as_json: bool) -> None:  # fmt: skip
+    from outbox.reconcile.actions import default_operator
+
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+        raise click.BadParameter(f"{name!r} is not an endpoint name (1-64 of [A-Za-z0-9._-])")
+    ob = obj.outbox()
+    state = ob.store.set_paused(name, paused=paused, now_ms=ob.clock.now_ms(),
+                                actor=operator or default_operator(), note=note)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(_row(state)))
+    else:
+        out.print(f"{'paused' if paused else 'resumed'} {name} (circuit {state.circuit.value})")
+
+
+@command(endpoint, "pause")
+@click.argument("name")
+@click.option("--note", required=True, help="Why, for the audit trail.")
+@click.option("--operator", default=None, help="Your name (default: the OS user).")
+@json_option
+def endpoint_pause(obj: Context, name: str, note: str, operator: str | None,
+                   as_json: bool) -> None:  # fmt: skip
+    """Stop sending to NAME (planned maintenance): nothing is claimed, nothing is spent."""
+    _set(obj, name, paused=True, note=note, operator=operator, as_json=as_json)
+
+
+@command(endpoint, "resume")
+@click.argument("name")
+@click.option("--note", required=True, help="Why, for the audit trail.")
+@click.option("--operator", default=None, help="Your name (default: the OS user).")
+@json_option
+def endpoint_resume(obj: Context, name: str, note: str, operator: str | None,
+                    as_json: bool) -> None:  # fmt: skip
+    """Send to NAME again (an open circuit is probed at once)."""
+    _set(obj, name, paused=False, note=note, operator=operator, as_json=as_json)
