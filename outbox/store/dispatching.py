@@ -29,6 +29,7 @@ from outbox.store.records import (
     StartedAttempt,
 )
 from outbox.store.rows import headers_text, policy_columns, stored_headers
+from outbox.store.sealing import PLAIN, Sealer, is_sealed, request_aad
 from outbox.store.statements import (
     _ATTEMPT_OUTCOME,
     INSERT_ATTEMPTS,
@@ -41,12 +42,17 @@ from outbox.store.statements import (
 from outbox.store.tables import attempts, operations
 
 
-def claimed_from_row(r: Any) -> Claimed:
+def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     """A claimed row (:data:`DispatchQueries._CLAIMED_COLUMNS`, in that order) as
-    :class:`Claimed`: by position, the stored headers decoded."""
-    headers, problem = stored_headers(r[6])
+    :class:`Claimed`: by position, the stored headers decoded, sealed columns opened
+    (:class:`~outbox.keys.KeyUnavailableError` if the key to send them is missing)."""
+    raw_headers, body = r[6], r[7]
+    if sealer.on or is_sealed(raw_headers) or is_sealed(body):
+        raw_headers = sealer.required(sealer.open(raw_headers, request_aad(r[1], r[2], "headers")))
+        body = sealer.required(sealer.open(body, request_aad(r[1], r[2], "body")))
+    headers, problem = stored_headers(raw_headers)
     return Claimed(
-        r[0], r[1], r[2], r[3], r[4], r[5], headers, r[7], r[8], r[9], bool(r[10]),
+        r[0], r[1], r[2], r[3], r[4], r[5], headers, body, r[8], r[9], bool(r[10]),
         bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem,
     )  # fmt: skip
 
@@ -61,6 +67,7 @@ class DispatchQueries:
 
     tenant_caps: dict[str, int]
     tenant_cursor: str
+    sealer: Sealer
 
     def write(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
@@ -227,7 +234,7 @@ class DispatchQueries:
         ).all()  # fmt: skip
         if not rows:
             return [], []
-        claimed = [claimed_from_row(r) for r in rows]
+        claimed = [claimed_from_row(r, self.sealer) for r in rows]
         # Where the rows carry their round and rotation place (PostgreSQL), by them.
         places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= _PLACED else None
         self.tenant_cursor = next_cursor([c.tenant for c in claimed], places, cursor)
@@ -389,10 +396,17 @@ class DispatchQueries:
                 "b_now": now_ms,
             }
             if out.result is not None:
+                sealed = self.sealer.seal_result(
+                    out.pk,
+                    {
+                        "result_headers": headers_text(out.result.headers),
+                        "result_body": out.result.body,
+                    },
+                )
                 params.update(
                     b_rstatus=out.result.status,
-                    b_rheaders=headers_text(out.result.headers),
-                    b_rbody=out.result.body,
+                    b_rheaders=sealed["result_headers"],
+                    b_rbody=sealed["result_body"],
                     b_rsha=out.result.sha256,
                     b_rsize=out.result.size,
                     b_rtrunc=out.result.truncated,

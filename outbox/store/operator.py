@@ -31,6 +31,7 @@ from outbox.model import (
 )
 from outbox.store.changes import ChangeSignals
 from outbox.store.rows import AuditRecord, audit_from_row, operation_from_row
+from outbox.store.sealing import Sealer
 from outbox.store.tables import attempts, audit, operations
 
 
@@ -67,6 +68,7 @@ class OperatorQueries(ChangeSignals):
 
     engine: Engine
     dialect: str
+    sealer: Sealer
 
     def read(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
@@ -84,7 +86,7 @@ class OperatorQueries(ChangeSignals):
         query = where.apply(select(operations))
         query = query.order_by(operations.c.updated_at, operations.c.id).limit(limit).offset(offset)
         with self.read() as conn:
-            return [operation_from_row(r, ()) for r in conn.execute(query)]
+            return [operation_from_row(r, (), self.sealer) for r in conn.execute(query)]
 
     def count_operations(self, where: OperatorSelection) -> int:
         """How many operations :meth:`list_operations` would return without a limit."""
