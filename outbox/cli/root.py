@@ -122,6 +122,7 @@ main.lazy_commands = {
     "reconcile": "outbox.cli.operator",
     "cancel": "outbox.cli.operator",
     "purge": "outbox.cli.operator",
+    "keys": "outbox.cli.keys",
     "dispatch": "outbox.cli.dispatching",
     "demo": "outbox.cli.tools",
     "console": "outbox.cli.tools",
