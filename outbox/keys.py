@@ -17,20 +17,14 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from outbox.errors import ConfigurationError, OutboxError
+from outbox.errors import ConfigurationError, KeyUnavailableError
+
+__all__ = ["KeyLookup", "KeyRing", "KeyUnavailableError"]
 
 #: A callable that returns the key-encryption key of an id, or None when unknown.
 KeyLookup = Callable[[str], "bytes | None"]
 
 _KEY_SIZES = (16, 24, 32)
-
-
-class KeyUnavailableError(OutboxError):
-    """A sealed value names a key the key ring does not have (or cannot unwrap with)."""
-
-    def __init__(self, message: str, *, key_id: str) -> None:
-        super().__init__(message)
-        self.key_id = key_id
 
 
 def _aesgcm(key: bytes) -> Any:

@@ -4,6 +4,7 @@ the trail, and the dispatcher sends sealed operations over real HTTP."""
 
 from __future__ import annotations
 
+import html
 import sqlite3
 import subprocess
 from collections.abc import Callable, Iterator
@@ -235,3 +236,23 @@ def test_pg_dump_of_the_schema_holds_no_plaintext(make_ob: MakeOutbox, db_url: s
     assert PLANTED.encode() not in data and PLANTED_HEADER.encode() not in data
     _enqueue(make_ob(None), "plain-1")
     assert PLANTED.encode() in dump()  # the check can fail
+
+
+def test_console_shows_plaintext_only_with_the_key(make_ob: MakeOutbox) -> None:
+    from starlette.testclient import TestClient
+
+    from outbox.console import Credentials, create_app
+
+    _enqueue(make_ob(ring(k1=K1)), "pay-c")
+    token = "alice-" + "a" * 20
+    creds = Credentials.parse(f"alice:{token}\n", default_name="nobody", source="test")
+    pages = {}
+    for name, keys in (("with", ring(k1=K1)), ("without", None)):
+        c = TestClient(create_app(make_ob(keys), creds), base_url="http://127.0.0.1")
+        assert c.post("/login", data={"token": token}, follow_redirects=False).status_code == 303
+        r = c.get("/operation", params={"tenant": "", "id": "pay-c"})
+        assert r.status_code == 200
+        pages[name] = html.unescape(r.text)
+    assert PLANTED in pages["with"]
+    assert PLANTED not in pages["without"]
+    assert "encrypted: key k1 not available" in pages["without"]
