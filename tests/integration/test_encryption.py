@@ -256,3 +256,24 @@ def test_console_shows_plaintext_only_with_the_key(make_ob: MakeOutbox) -> None:
     assert PLANTED in pages["with"]
     assert PLANTED not in pages["without"]
     assert "encrypted: key k1 not available" in pages["without"]
+
+
+def test_every_enqueue_path_seals(make_ob: MakeOutbox) -> None:
+    from outbox import Intent
+
+    ob = make_ob(ring(k1=K1))
+    many = [Intent(endpoint="rx", method="POST", path="/pay", json={"card": PLANTED},
+                   operation_id=f"many-{i}") for i in range(3)]  # fmt: skip
+    ob.enqueue_many(many)
+    with ob.engine.begin() as conn:  # the caller's own transaction
+        ob.enqueue(endpoint="rx", method="POST", path="/pay", json={"card": PLANTED},
+                   operation_id="joined-1", connection=conn)  # fmt: skip
+        ob.enqueue_many([Intent(endpoint="rx", method="POST", path="/pay",
+                                json={"card": PLANTED}, operation_id="joined-2")],
+                        connection=conn)  # fmt: skip
+    with ob.engine.connect() as conn:
+        bodies = [r.body for r in conn.execute(select(operations.c.body))]
+    assert len(bodies) == 5
+    assert all(b.startswith("sealed:1:k1:") and PLANTED not in b for b in bodies)
+    assert ob.get("many-1").body == {"card": PLANTED}
+    assert ob.get("joined-2").body == {"card": PLANTED}
