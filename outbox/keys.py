@@ -96,13 +96,18 @@ class KeyRing:
         aad = b"outbox dek\x00" + self.current.encode()
         return self.current, nonce + _aesgcm(self.key(self.current)).encrypt(nonce, data_key, aad)
 
-    def unwrap(self, key_id: str, wrapped: bytes) -> bytes:
-        """The data key ``wrapped`` under ``key_id``; a clear error if it cannot be."""
+    def unwrap(self, key_id: str, wrapped: bytes) -> bytes | None:
+        """The data key ``wrapped`` under ``key_id``; None when the ring lacks that key,
+        :class:`KeyUnavailableError` when the key does not unwrap it (wrong bytes)."""
         from cryptography.exceptions import InvalidTag
 
+        found = self._lookup(key_id)
+        if found is None:
+            return None
         aad = b"outbox dek\x00" + key_id.encode()
         try:
-            return bytes(_aesgcm(self.key(key_id)).decrypt(wrapped[:12], wrapped[12:], aad))
+            aes = _aesgcm(_checked_key(key_id, found))
+            return bytes(aes.decrypt(wrapped[:12], wrapped[12:], aad))
         except InvalidTag as exc:
             raise KeyUnavailableError(
                 f"encrypted: key {key_id} does not unwrap this data key (wrong key bytes?)",

@@ -277,3 +277,12 @@ def test_every_enqueue_path_seals(make_ob: MakeOutbox) -> None:
     assert all(b.startswith("sealed:1:k1:") and PLANTED not in b for b in bodies)
     assert ob.get("many-1").body == {"card": PLANTED}
     assert ob.get("joined-2").body == {"card": PLANTED}
+
+
+def test_rotation_without_the_old_key_stops_with_a_clear_error(make_ob: MakeOutbox) -> None:
+    _enqueue(make_ob(ring(k1=K1)), "rot-x")
+    new_only = make_ob(ring(k2=K2))
+    before = _raw(new_only, "rot-x").body
+    with pytest.raises(KeyUnavailableError, match="cannot rotate: key k1 not available"):
+        rekey.rotate(new_only.store)
+    assert _raw(new_only, "rot-x").body == before  # nothing written
