@@ -29,7 +29,7 @@ from outbox.store.records import (
     StartedAttempt,
 )
 from outbox.store.rows import headers_text, policy_columns, stored_headers
-from outbox.store.sealing import PLAIN, Sealer, is_sealed, request_aad
+from outbox.store.sealing import PLAIN, Sealer
 from outbox.store.statements import (
     _ATTEMPT_OUTCOME,
     INSERT_ATTEMPTS,
@@ -44,16 +44,14 @@ from outbox.store.tables import attempts, operations
 
 def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     """A claimed row (:data:`DispatchQueries._CLAIMED_COLUMNS`, in that order) as
-    :class:`Claimed`: by position, the stored headers decoded, sealed columns opened
-    (:class:`~outbox.keys.KeyUnavailableError` if the key to send them is missing)."""
-    raw_headers, body = r[6], r[7]
-    if sealer.on or is_sealed(raw_headers) or is_sealed(body):
-        raw_headers = sealer.required(sealer.open(raw_headers, request_aad(r[1], r[2], "headers")))
-        body = sealer.required(sealer.open(body, request_aad(r[1], r[2], "body")))
-    headers, problem = stored_headers(raw_headers)
+    :class:`Claimed`: by position, sealed columns opened, the stored headers decoded. A
+    row this dispatcher cannot open (its key missing) carries the problem, and is not
+    sent: the dispatcher puts it back with that reason, as it does a corrupt one."""
+    raw_headers, body, problem = sealer.for_sending(r[1], r[2], r[6], r[7])
+    headers, corrupt = stored_headers(raw_headers)
     return Claimed(
         r[0], r[1], r[2], r[3], r[4], r[5], headers, body, r[8], r[9], bool(r[10]),
-        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem,
+        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem or corrupt,
     )  # fmt: skip
 
 

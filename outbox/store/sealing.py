@@ -162,11 +162,23 @@ class Sealer:
     def open_result(self, r: Any, column: str) -> str | Sealed | None:
         return self.open(getattr(r, column), result_aad(r.id, column))
 
-    def required(self, value: str | Sealed | None) -> str | None:
-        """``value`` as text, or :class:`KeyUnavailableError` (the dispatcher must send)."""
-        if isinstance(value, Sealed):
-            raise KeyUnavailableError(str(value), key_id=value.key_id)
-        return value
+    def for_sending(
+        self, tenant: str, operation_id: str, headers: str, body: str | None
+    ) -> tuple[str | None, str | None, str | None]:
+        """A claimed row's request headers and body as text, and None; or, when this
+        process cannot open them, none and the reason (the dispatcher will not send)."""
+        if not (is_sealed(headers) or is_sealed(body)):
+            return headers, body, None
+        try:
+            opened = [self.open(v, request_aad(tenant, operation_id, c))
+                      for c, v in (("headers", headers), ("body", body))]  # fmt: skip
+        except KeyUnavailableError as exc:
+            return None, None, f"{exc} (in this dispatcher)"
+        texts = [v for v in opened if not isinstance(v, Sealed)]
+        if len(texts) < len(opened):
+            missing = next(v for v in opened if isinstance(v, Sealed))
+            return None, None, f"{missing} (in this dispatcher's key ring)"
+        return texts[0], texts[1], None
 
     # -- rotation and shredding ---------------------------------------------------
 

@@ -52,8 +52,8 @@ def make_ob(db_url: str, receiver: Receiver) -> Iterator[MakeOutbox]:
             db_url,
             endpoints=[
                 Endpoint(name="rx", base_url=receiver.url, timeout=2.0,
-                         retry=RetryPolicy(max_attempts=3, window=timedelta(seconds=60)),
-                         key_retention=timedelta(hours=1))
+                         retry=RetryPolicy(max_attempts=3, window=timedelta(hours=1)),
+                         key_retention=timedelta(hours=2))
             ],
             clock=FakeClock(),
             keys=keys,
@@ -114,16 +114,30 @@ def test_same_id_same_arguments_is_the_same_operation_under_an_hmac_fingerprint(
     assert len(raw.args_sha256) == 64
 
 
-def test_a_missing_key_says_so_and_a_wrong_key_is_a_clear_error(make_ob: MakeOutbox) -> None:
-    _enqueue(make_ob(ring(k1=K1)), "pay-3")
+def test_a_missing_key_says_so_and_a_wrong_key_is_a_clear_error(
+    make_ob: MakeOutbox, receiver: Receiver
+) -> None:
+    with_key = make_ob(ring(k1=K1))
+    _enqueue(with_key, "pay-3")
     without = make_ob(ring(k9=b"9" * 32))
     op = without.get("pay-3")
     assert isinstance(op.body, Sealed)
     assert str(op.body) == "encrypted: key k1 not available"
     assert op.headers == {}
-    with pytest.raises(KeyUnavailableError, match="encrypted: key k1 not available"):
-        without.dispatch_once()
-    assert without.get("pay-3").state is State.PENDING  # nothing sent, nothing changed
+    # A dispatcher without the key sends nothing and puts the row back, saying why.
+    without.dispatch_once()
+    op = without.get("pay-3")
+    assert op.state is State.PENDING and op.attempts_total == 0
+    assert op.last_error == "encrypted: key k1 not available (in this dispatcher's key ring)"
+    assert receiver.requests(key="pay-3") == []
+    # One with the key sends it once it is due again.
+    clock = with_key.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(61)  # past the put-back delay (at most a minute), inside the window
+    with_key.dispatch_once()
+    done = with_key.get("pay-3")
+    assert done.state is State.SUCCEEDED
+    assert receiver.effect_count(key="pay-3") == 1
     wrong = make_ob(ring(k1=b"x" * 32))
     with pytest.raises(KeyUnavailableError, match="key k1 does not unwrap"):
         wrong.get("pay-3")
