@@ -300,3 +300,20 @@ def test_rotation_without_the_old_key_stops_with_a_clear_error(make_ob: MakeOutb
     with pytest.raises(KeyUnavailableError, match="cannot rotate: key k1 not available"):
         rekey.rotate(new_only.store)
     assert _raw(new_only, "rot-x").body == before  # nothing written
+
+
+def test_rotation_never_overwrites_a_value_written_after_it_read(make_ob: MakeOutbox) -> None:
+    old = make_ob(ring(k1=K1))
+    _enqueue(old, "race-1")
+    both = make_ob(ring(k2=K2, k1=K1))
+    stale = _raw(both, "race-1")
+    rewrapped = both.store.sealer.rewrapped(stale.body)
+    assert rewrapped is not None
+    # Between rotation's read and its write, another writer changes the value.
+    other = _raw(old, "race-1").headers
+    with both.engine.begin() as conn:
+        conn.execute(operations.update().where(operations.c.id == stale.id)
+                     .values(body=other))  # fmt: skip
+    changed = _raw(both, "race-1").body
+    assert rekey._apply(both.store, [(stale.id, "body", stale.body, rewrapped)]) == 0
+    assert _raw(both, "race-1").body == changed
