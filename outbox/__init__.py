@@ -13,6 +13,7 @@ from outbox.clock import Clock, FakeClock, SystemClock
 from outbox.errors import (
     ConcurrentModification,
     ConfigurationError,
+    KeyUnavailableError,
     NotStoredError,
     OperationConflict,
     OperationNotFound,
@@ -48,6 +49,7 @@ if _typing.TYPE_CHECKING:
         TenantScope,
     )
     from outbox.dispatch.dispatcher import DispatchSummary
+    from outbox.keys import KeyRing
     from outbox.store.engine import create_async_engine, create_engine
 
 #: Imported on first use: the dispatcher brings httpx, aiohttp and tenacity with it, and
@@ -59,6 +61,7 @@ _LAZY = {
     "DispatcherSettings": "outbox.config",
     "Endpoint": "outbox.config",
     "Intent": "outbox.canonical",
+    "KeyRing": "outbox.keys",
     "Outbox": "outbox.client",
     "RetryPolicy": "outbox.config",
     "StatusLookup": "outbox.config",
@@ -94,6 +97,8 @@ __all__ = [
     "ErrorClass",
     "FakeClock",
     "Intent",
+    "KeyRing",
+    "KeyUnavailableError",
     "NotStoredError",
     "Operation",
     "OperationConflict",

@@ -8,6 +8,8 @@ Every exception derives from :class:`OutboxError`::
     ├── OperationConflict       the (tenant, operation ID) exists with other arguments
     ├── OperationNotFound       no operation with that (tenant, operation ID)
     ├── WaitTimeout             (also a TimeoutError) wait() gave up before a settled state
+    ├── KeyUnavailableError     an encrypted value's key is missing, wrong, or does not
+    │                           open it (encryption at rest: outbox.keys)
     ├── OperatorActionRefused   an operator command does not apply in the current state
     │   └── ConcurrentModification  someone else changed the operation first
     └── StoreError              the database failed or refused; the write did not happen
@@ -56,6 +58,14 @@ class OperationNotFound(OutboxError, LookupError):
 
 class WaitTimeout(OutboxError, TimeoutError):
     """``Outbox.wait`` timed out before the operation settled."""
+
+
+class KeyUnavailableError(OutboxError):
+    """An encrypted value names a key the key ring does not have, or cannot open it."""
+
+    def __init__(self, message: str, *, key_id: str) -> None:
+        super().__init__(message)
+        self.key_id = key_id
 
 
 class OperatorActionRefused(OutboxError):

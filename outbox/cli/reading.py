@@ -234,7 +234,7 @@ def _render_body(op: Any) -> None:
     from outbox.forms import body_view
 
     if op.body_raw is None:
-        out.print(f"body: {json.dumps(op.body, sort_keys=True)}", markup=False)
+        out.print(f"body: {_shown(op.body)}", markup=False)
         return
     view = body_view(op.content_type, op.body_raw)
     if view["kind"] == "form":
@@ -277,10 +277,7 @@ def _render_report(report: OperationReport) -> None:
         out.print(f"headers: {json.dumps(op.headers, sort_keys=True)}")
     _render_body(op)
     if op.result is not None:
-        out.print(
-            f"result: {op.result.status_code} {json.dumps(op.result.body, sort_keys=True)}",
-            markup=False,
-        )
+        out.print(f"result: {op.result.status_code} {_shown(op.result.body)}", markup=False)
     table = Table(title="attempts")
     for column in (
         "#",
@@ -316,6 +313,12 @@ def _render_report(report: OperationReport) -> None:
             out.print(
                 f"  {r.actor} {r.action} {r.from_state} -> {r.to_state}: {r.note}", markup=False
             )
+
+
+def _shown(value: Any) -> str:
+    """A stored body as JSON, or, sealed and not opened here, what key it needs."""
+    # Encrypted rows (outbox.store.sealing) without their key: say so, never "null".
+    return str(value) if type(value).__name__ == "Sealed" else json.dumps(value, sort_keys=True)
 
 
 def _show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:

@@ -123,6 +123,7 @@ main.lazy_commands = {
     "cancel": "outbox.cli.operator",
     "purge": "outbox.cli.operator",
     "endpoint": "outbox.cli.endpoints",
+    "keys": "outbox.cli.keys",
     "dispatch": "outbox.cli.dispatching",
     "demo": "outbox.cli.tools",
     "console": "outbox.cli.tools",

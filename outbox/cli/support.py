@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from sqlalchemy.exc import DBAPIError
 
     from outbox.client import Outbox
+    from outbox.keys import KeyRing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -125,6 +126,8 @@ class Context:
         self.db_env: str | None = None
         self.schema: str | None = None
         self.app: str | None = None
+        #: ``module:attr`` naming the key ring (encryption at rest), or OUTBOX_KEYS.
+        self.keys: str | None = os.environ.get("OUTBOX_KEYS") or None
         self.debug = False
         self.log_level = "info"
         self.log_format = "auto"
@@ -140,6 +143,11 @@ class Context:
         if self._outbox is None:
             if self.app:
                 self._outbox = load_app(self.app)
+                if self.keys:  # the operator's key ring, over the application's
+                    from outbox.store.sealing import Sealer
+
+                    self._outbox.keys = ring = load_keys(self.keys)
+                    self._outbox.store.sealer = Sealer(ring)
             else:
                 from outbox.client import Outbox
 
@@ -147,7 +155,8 @@ class Context:
                     raise click.UsageError(
                         "name the database: --db URL (or set OUTBOX_DB), or --app module:attr"
                     )
-                self._outbox = Outbox(self.db, schema=self.schema, auto_migrate=False)
+                keys = load_keys(self.keys) if self.keys else None
+                self._outbox = Outbox(self.db, schema=self.schema, auto_migrate=False, keys=keys)
         return self._outbox
 
     def close(self) -> None:
@@ -187,40 +196,65 @@ class Context:
         return f" --schema {shlex.quote(self.schema)}" if self.schema else ""
 
 
-def load_app(app: str) -> Outbox:
-    """``module:attr`` naming an Outbox, or a callable returning one."""
-    from outbox.client import Outbox
-
-    module_name, _, attr = app.partition(":")
+def _attribute(spec: str, flag: str, example: str) -> tuple[Any, str]:
+    """The attribute ``module:attr`` names (``flag`` and ``example`` for the errors)."""
+    module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise AppError(f"--app takes module:attr, e.g. myapp.jobs:outbox; got {app!r}")
+        raise AppError(f"{flag} takes module:attr, e.g. {example}; got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    failed = f"{flag} {spec}: importing {module_name!r} failed"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise AppError(
-                f"--app {app}: no module named {module_name!r} (run from the directory that "
-                "holds it, or set PYTHONPATH)"
+                f"{flag} {spec}: no module named {module_name!r} (run from the directory "
+                "that holds it, or set PYTHONPATH)"
             ) from exc
-        raise AppError(f"--app {app}: importing {module_name!r} failed: {_described(exc)}") from exc
+        raise AppError(f"{failed}: {_described(exc)}") from exc
     except Exception as exc:
-        raise AppError(f"--app {app}: importing {module_name!r} failed: {_described(exc)}") from exc
+        raise AppError(f"{failed}: {_described(exc)}") from exc
     try:
-        target = getattr(module, attr)
+        return getattr(module, attr), attr
     except AttributeError as exc:
-        raise AppError(f"--app {app}: module {module_name!r} has no attribute {attr!r}") from exc
-    if callable(target) and not isinstance(target, Outbox):
+        raise AppError(f"{flag} {spec}: module {module_name!r} has no attribute {attr!r}") from exc
+
+
+def _called(target: Any, spec: str, flag: str, attr: str, kind: type) -> Any:
+    if callable(target) and not isinstance(target, kind):
         try:
             target = target()
         except OutboxError:
             raise
         except Exception as exc:
-            raise AppError(f"--app {app}: calling {attr}() failed: {_described(exc)}") from exc
+            raise AppError(f"{flag} {spec}: calling {attr}() failed: {_described(exc)}") from exc
+    return target
+
+
+def load_app(app: str) -> Outbox:
+    """``module:attr`` naming an Outbox, or a callable returning one."""
+    from outbox.client import Outbox
+
+    target, attr = _attribute(app, "--app", "myapp.jobs:outbox")
+    target = _called(target, app, "--app", attr, Outbox)
     if not isinstance(target, Outbox):
         raise AppError(
             f"--app {app}: {attr} is a {type(target).__name__}, not an outbox.Outbox "
+            "(or a function returning one)"
+        )
+    return target
+
+
+def load_keys(spec: str) -> KeyRing:
+    """``module:attr`` naming an outbox.keys.KeyRing, or a callable returning one."""
+    from outbox.keys import KeyRing
+
+    target, attr = _attribute(spec, "--keys", "myapp.secrets:keys")
+    target = _called(target, spec, "--keys", attr, KeyRing)
+    if not isinstance(target, KeyRing):
+        raise AppError(
+            f"--keys {spec}: {attr} is a {type(target).__name__}, not an outbox.keys.KeyRing "
             "(or a function returning one)"
         )
     return target
@@ -263,6 +297,12 @@ def shared_options(fn: F) -> F:
                 expose_value=False,
                 callback=_setter("app"),
                 help="module:attr naming the application's Outbox (or OUTBOX_APP).",
+            ),
+            click.option(
+                "--keys",
+                expose_value=False,
+                callback=_setter("keys"),
+                help="module:attr naming the key ring for encrypted rows (or OUTBOX_KEYS).",
             ),
             click.option(
                 "--debug",

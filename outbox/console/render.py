@@ -56,6 +56,8 @@ class PrettyJson:
 
 
 def pretty_json(value: Any, limit: int = JSON_DISPLAY_LIMIT) -> PrettyJson:
+    if type(value).__name__ == "Sealed":  # encrypted, and no key here: say which
+        return PrettyJson(str(value), 0, False)
     text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
     size = len(text.encode())
     if len(text) <= limit:

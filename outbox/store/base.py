@@ -27,6 +27,7 @@ from outbox.store.rows import (
     attempt_from_row,
     operation_from_row,
 )
+from outbox.store.sealing import PLAIN, Sealer
 from outbox.store.statements import (
     DUE,
     blocks,
@@ -55,6 +56,8 @@ class Store(OperatorQueries, EndpointQueries):
         self.tenant_caps: dict[str, int] = {}
         #: The tenant this store's last claim served last (``store.fairness``).
         self.tenant_cursor = ""
+        #: Seals request and result columns on write, opens them on read (store.sealing).
+        self.sealer: Sealer = PLAIN
 
     # -- transactions -------------------------------------------------------------
 
@@ -191,7 +194,7 @@ class Store(OperatorQueries, EndpointQueries):
                         .order_by(attempts.c.number)
                     )
                 )
-        return operation_from_row(row, history)
+        return operation_from_row(row, history, self.sealer)
 
     def operation_on(self, conn: Connection, tenant: str, operation_id: str) -> Operation:
         """Read an operation on the given connection (inside its transaction)."""
@@ -200,7 +203,7 @@ class Store(OperatorQueries, EndpointQueries):
                 operations.c.tenant == tenant, operations.c.operation_id == operation_id
             )
         ).one()
-        return operation_from_row(row, ())
+        return operation_from_row(row, (), self.sealer)
 
     def get_state(self, tenant: str, operation_id: str) -> State | None:
         with self.read() as conn:

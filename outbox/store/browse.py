@@ -70,7 +70,7 @@ def operations_page(
         rows = conn.execute(
             _where(select(operations), q).order_by(*order).limit(limit).offset(offset)
         )
-        return [operation_from_row(r, ()) for r in rows], total
+        return [operation_from_row(r, (), store.sealer) for r in rows], total
 
 
 def audit_page(

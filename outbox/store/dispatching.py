@@ -30,6 +30,7 @@ from outbox.store.records import (
     StartedAttempt,
 )
 from outbox.store.rows import headers_text, policy_columns, stored_headers
+from outbox.store.sealing import PLAIN, Sealer
 from outbox.store.statements import (
     _ATTEMPT_OUTCOME,
     INSERT_ATTEMPTS,
@@ -42,13 +43,16 @@ from outbox.store.statements import (
 from outbox.store.tables import attempts, operations
 
 
-def claimed_from_row(r: Any) -> Claimed:
+def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     """A claimed row (:data:`DispatchQueries._CLAIMED_COLUMNS`, in that order) as
-    :class:`Claimed`: by position, the stored headers decoded."""
-    headers, problem = stored_headers(r[6])
+    :class:`Claimed`: by position, sealed columns opened, the stored headers decoded. A
+    row this dispatcher cannot open (its key missing) carries the problem, and is not
+    sent: the dispatcher puts it back with that reason, as it does a corrupt one."""
+    raw_headers, body, problem = sealer.for_sending(r[1], r[2], r[6], r[7])
+    headers, corrupt = stored_headers(raw_headers)
     return Claimed(
-        r[0], r[1], r[2], r[3], r[4], r[5], headers, r[7], r[8], r[9], bool(r[10]),
-        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem,
+        r[0], r[1], r[2], r[3], r[4], r[5], headers, body, r[8], r[9], bool(r[10]),
+        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem or corrupt,
         bytes(r[19]) if r[19] is not None else None,
     )  # fmt: skip
 
@@ -63,6 +67,7 @@ class DispatchQueries:
 
     tenant_caps: dict[str, int]
     tenant_cursor: str
+    sealer: Sealer
 
     def write(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
@@ -238,7 +243,7 @@ class DispatchQueries:
                             {**params, **(extra or {})}).all()  # fmt: skip
         if not rows:
             return [], []
-        claimed = [claimed_from_row(r) for r in rows]
+        claimed = [claimed_from_row(r, self.sealer) for r in rows]
         if statement is None:
             # Where the rows carry their round and rotation place (PostgreSQL), by them.
             places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= _PLACED else None
@@ -401,10 +406,17 @@ class DispatchQueries:
                 "b_now": now_ms,
             }
             if out.result is not None:
+                sealed = self.sealer.seal_result(
+                    out.pk,
+                    {
+                        "result_headers": headers_text(out.result.headers),
+                        "result_body": out.result.body,
+                    },
+                )
                 params.update(
                     b_rstatus=out.result.status,
-                    b_rheaders=headers_text(out.result.headers),
-                    b_rbody=out.result.body,
+                    b_rheaders=sealed["result_headers"],
+                    b_rbody=sealed["result_body"],
                     b_rsha=out.result.sha256,
                     b_rsize=out.result.size,
                     b_rtrunc=out.result.truncated,

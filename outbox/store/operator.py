@@ -29,6 +29,7 @@ from outbox.model import (
 )
 from outbox.store.changes import ChangeSignals
 from outbox.store.rows import OLDEST_FIRST, AuditRecord, audit_from_row, operation_from_row
+from outbox.store.sealing import Sealer
 from outbox.store.tables import attempts, audit, operations
 
 
@@ -65,6 +66,7 @@ class OperatorQueries(ChangeSignals):
 
     engine: Engine
     dialect: str
+    sealer: Sealer
 
     def read(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
@@ -82,7 +84,7 @@ class OperatorQueries(ChangeSignals):
         query = where.apply(select(operations))
         query = query.order_by(*OLDEST_FIRST).limit(limit).offset(offset)
         with self.read() as conn:
-            return [operation_from_row(r, ()) for r in conn.execute(query)]
+            return [operation_from_row(r, (), self.sealer) for r in conn.execute(query)]
 
     def count_operations(self, where: OperatorSelection) -> int:
         """How many operations :meth:`list_operations` would return without a limit."""

@@ -196,10 +196,15 @@ class PostgresStore(Store):
             }
             results = [o.result for o in outs if o.result is not None]
             if results:
+                sealed = [
+                    self.sealer.seal_result(o.pk, {"result_headers": headers_text(o.result.headers),
+                                                   "result_body": o.result.body})
+                    for o in outs if o.result is not None
+                ]  # fmt: skip
                 params.update(
                     b_rstatus=[r.status for r in results],
-                    b_rheaders=[headers_text(r.headers) for r in results],
-                    b_rbody=[r.body for r in results],
+                    b_rheaders=[v["result_headers"] for v in sealed],
+                    b_rbody=[v["result_body"] for v in sealed],
                     b_rsha=[r.sha256 for r in results],
                     b_rsize=[r.size for r in results],
                     b_rtrunc=[r.truncated for r in results],

@@ -21,6 +21,7 @@ from outbox.model import (
     State,
     Verdict,
 )
+from outbox.store.sealing import PLAIN, Sealed, Sealer
 from outbox.store.tables import operations
 
 #: "Oldest first", the one order of every operation list (``outbox reconcile list``,
@@ -161,13 +162,17 @@ def attempt_from_row(r: Row[Any]) -> Attempt:
     )
 
 
-def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
+def operation_from_row(
+    r: Row[Any], history: tuple[Attempt, ...], sealer: Sealer = PLAIN
+) -> Operation:
     result = None
     if r.result_status is not None:
-        body: Any = json.loads(r.result_body) if r.result_body is not None else None
+        rbody = sealer.open_result(r, "result_body")
+        rheaders = sealer.open_result(r, "result_headers")
+        body: Any = json.loads(rbody) if isinstance(rbody, str) else rbody
         result = Result(
             status_code=r.result_status,
-            headers=headers_from_text(r.result_headers),
+            headers=headers_from_text(rheaders) if not isinstance(rheaders, Sealed) else {},
             body=body,
             body_sha256=r.result_sha256,
             body_size=r.result_size or 0,
@@ -180,8 +185,8 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         endpoint=r.endpoint,
         method=r.method,
         path=r.path,
-        headers=stored_headers(r.headers)[0],
-        body=_stored_body(r.body),
+        headers=_opened_headers(sealer.open_request(r, "headers")),
+        body=_opened_body(sealer.open_request(r, "body")),
         state=State(r.state),
         reason=Reason(r.reason) if r.reason else None,
         ordering_key=r.ordering_key,
@@ -202,6 +207,15 @@ def operation_from_row(r: Row[Any], history: tuple[Attempt, ...]) -> Operation:
         not_before_ms=r.not_before,
         body_raw=bytes(r.body_raw) if r.body_raw is not None else None,
     )
+
+
+def _opened_headers(value: str | Sealed | None) -> dict[str, str]:
+    # Sealed headers read as none; the body (sealed with them) says which key is missing.
+    return {} if value is None or isinstance(value, Sealed) else stored_headers(value)[0]
+
+
+def _opened_body(value: str | Sealed | None) -> Any:
+    return value if isinstance(value, Sealed) else _stored_body(value)
 
 
 def audit_from_row(r: Row[Any]) -> AuditRecord:

@@ -11,7 +11,7 @@ import click
 
 from outbox.cli.root import main
 
-COMMAND_MODULES = ("reading", "operator", "dispatching", "tools", "endpoints")
+COMMAND_MODULES = ("reading", "operator", "dispatching", "tools", "endpoints", "keys")
 
 
 def test_the_lazy_map_names_every_command_where_it_is_defined() -> None:
