@@ -84,7 +84,7 @@ def dispatch(
             fail(
                 EXIT_USAGE,
                 "--metrics-port needs prometheus_client, which is not installed: "
-                "pip install 'outbox[metrics]'",
+                "pip install 'http-outbox[metrics]'",
             )
     if processes is not None:
         if once or until_empty:

@@ -68,7 +68,7 @@ def test_metrics_port_without_prometheus_client_is_a_usage_error(tmp_path: Path)
     assert done.returncode == 2, done.stderr
     assert done.stderr == (
         "error: --metrics-port needs prometheus_client, which is not installed: "
-        "pip install 'outbox[metrics]'\n"
+        "pip install 'http-outbox[metrics]'\n"
     )
 
 
