@@ -25,7 +25,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from outbox import Endpoint, Outbox
-from outbox.keys import KeyRing
+from outbox.base.keys import KeyRing
 from outbox.store.migrate import upgrade
 from outbox.testing.receiver import Receiver
 

@@ -9,6 +9,7 @@ to a reconciliation queue for an operator.
 import importlib as _importlib
 import typing as _typing
 
+from outbox.base.version import __version__  # the one place the version is written
 from outbox.clock import Clock, FakeClock, SystemClock
 from outbox.errors import (
     ConcurrentModification,
@@ -35,9 +36,9 @@ from outbox.model import (
     State,
     Verdict,
 )
-from outbox.version import __version__  # the one place the version is written
 
 if _typing.TYPE_CHECKING:
+    from outbox.base.keys import KeyRing
     from outbox.canonical import Intent
     from outbox.classify import Classification
     from outbox.client import Outbox
@@ -49,7 +50,6 @@ if _typing.TYPE_CHECKING:
         TenantScope,
     )
     from outbox.dispatch.dispatcher import DispatchSummary
-    from outbox.keys import KeyRing
     from outbox.store.engine import create_async_engine, create_engine
 
 #: Imported on first use: the dispatcher brings httpx, aiohttp and tenacity with it, and
@@ -61,7 +61,7 @@ _LAZY = {
     "DispatcherSettings": "outbox.config",
     "Endpoint": "outbox.config",
     "Intent": "outbox.canonical",
-    "KeyRing": "outbox.keys",
+    "KeyRing": "outbox.base.keys",
     "Outbox": "outbox.client",
     "RetryPolicy": "outbox.config",
     "StatusLookup": "outbox.config",

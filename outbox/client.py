@@ -21,6 +21,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from outbox.aio import AsyncMethods, EnqueueHost
+from outbox.base.keys import KeyRing
 from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
     Intent,
@@ -41,7 +42,6 @@ from outbox.errors import (
     ValidationError,
     WaitTimeout,
 )
-from outbox.keys import KeyRing
 from outbox.model import Operation, State
 from outbox.observe.hooks import Instrumentation, combine
 from outbox.store import Store, store_for

@@ -9,7 +9,7 @@ Every exception derives from :class:`OutboxError`::
     ├── OperationNotFound       no operation with that (tenant, operation ID)
     ├── WaitTimeout             (also a TimeoutError) wait() gave up before a settled state
     ├── KeyUnavailableError     an encrypted value's key is missing, wrong, or does not
-    │                           open it (encryption at rest: outbox.keys)
+    │                           open it (encryption at rest: outbox.base.keys)
     ├── OperatorActionRefused   an operator command does not apply in the current state
     │   └── ConcurrentModification  someone else changed the operation first
     └── StoreError              the database failed or refused; the write did not happen

@@ -1,7 +1,7 @@
 """``outbox keys ...``: rotation and crypto-shredding of encrypted rows.
 
 The key ring comes like the application does: ``--keys module:attr`` (or OUTBOX_KEYS)
-naming an :class:`outbox.keys.KeyRing`, or the ring of the ``--app`` Outbox.
+naming an :class:`outbox.base.keys.KeyRing`, or the ring of the ``--app`` Outbox.
 """
 
 from __future__ import annotations

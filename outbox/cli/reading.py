@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from outbox.base.durations import format_duration
 from outbox.cli.support import (
     DURATION,
     EXIT_REFUSED,
     Context,
     command,
 )
-from outbox.durations import format_duration
 from outbox.model import State
 
 if TYPE_CHECKING:

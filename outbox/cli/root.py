@@ -133,7 +133,7 @@ main.lazy_commands = {
 
 def _filter_words(**filters: Any) -> list[str]:
     """The command-line words that give these filters again."""
-    from outbox.durations import format_duration
+    from outbox.base.durations import format_duration
 
     words: list[str] = []
     for name, value in filters.items():

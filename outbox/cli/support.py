@@ -47,8 +47,8 @@ from outbox.errors import (
 if TYPE_CHECKING:
     from sqlalchemy.exc import DBAPIError
 
+    from outbox.base.keys import KeyRing
     from outbox.client import Outbox
-    from outbox.keys import KeyRing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -247,14 +247,14 @@ def load_app(app: str) -> Outbox:
 
 
 def load_keys(spec: str) -> KeyRing:
-    """``module:attr`` naming an outbox.keys.KeyRing, or a callable returning one."""
-    from outbox.keys import KeyRing
+    """``module:attr`` naming an outbox.base.keys.KeyRing, or a callable returning one."""
+    from outbox.base.keys import KeyRing
 
     target, attr = _attribute(spec, "--keys", "myapp.secrets:keys")
     target = _called(target, spec, "--keys", attr, KeyRing)
     if not isinstance(target, KeyRing):
         raise AppError(
-            f"--keys {spec}: {attr} is a {type(target).__name__}, not an outbox.keys.KeyRing "
+            f"--keys {spec}: {attr} is a {type(target).__name__}, not an outbox.base.keys.KeyRing "
             "(or a function returning one)"
         )
     return target
@@ -506,7 +506,7 @@ class DurationType(click.ParamType):  # type: ignore[type-arg]
     ) -> timedelta:
         if isinstance(value, timedelta):
             return value
-        from outbox.durations import parse_duration
+        from outbox.base.durations import parse_duration
 
         try:
             return parse_duration(value)

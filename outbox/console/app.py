@@ -22,10 +22,10 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from outbox.base.logs import get_logger
+from outbox.base.version import __version__
 from outbox.console.auth import Credentials, Session, Sessions, SignInLimiter
 from outbox.console.render import environment
 from outbox.errors import StoreError
-from outbox.version import __version__
 
 log = get_logger("outbox.console")
 

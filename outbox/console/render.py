@@ -14,8 +14,8 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from outbox.base.durations import format_duration
 from outbox.canonical import CREDENTIAL_HEADERS
-from outbox.durations import format_duration
 from outbox.model import ms_to_datetime
 
 #: Pretty JSON longer than this is cut on the operation page (the size is shown).

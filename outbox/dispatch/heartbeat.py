@@ -12,8 +12,8 @@ import socket
 from typing import TYPE_CHECKING
 
 from outbox.base.logs import get_logger
+from outbox.base.version import __version__
 from outbox.store import monitoring
-from outbox.version import __version__
 
 if TYPE_CHECKING:
     from outbox.observe.hooks import RunningDispatcher

@@ -25,8 +25,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from outbox.base.version import __version__
 from outbox.observe.hooks import Instrumentation
-from outbox.version import __version__
 
 if TYPE_CHECKING:
     from outbox.config import Endpoint

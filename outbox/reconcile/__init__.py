@@ -11,7 +11,7 @@ status lookup; imported when a probe runs, as it brings httpx) and :mod:`.reconc
 (:class:`Reconciler`, all of them).
 """
 
-from outbox.durations import parse_duration
+from outbox.base.durations import parse_duration
 from outbox.reconcile.actions import (
     ACCEPT_RISK_EFFECT,
     OperatorActions,

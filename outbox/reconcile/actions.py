@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from outbox.base.durations import format_duration
 from outbox.base.safetext import check_printable
 from outbox.canonical import check_operation_id, check_tenant
-from outbox.durations import format_duration
 from outbox.errors import (
     ConcurrentModification,
     OperationNotFound,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from outbox.durations import format_duration
+from outbox.base.durations import format_duration
 from outbox.errors import ConcurrentModification, ValidationError
 from outbox.model import Operation, Reason, State
 from outbox.reconcile import (

@@ -3,7 +3,7 @@
 Envelope encryption: each written row (an enqueue's request columns, a dispatcher's
 result columns) gets a fresh 256-bit data key; its values are AES-GCM encrypted under
 it, and the data key is stored wrapped by the application's current key-encryption key
-(:class:`outbox.keys.KeyRing`). A sealed value is text, self-contained, in the same
+(:class:`outbox.base.keys.KeyRing`). A sealed value is text, self-contained, in the same
 column the plain value would have::
 
     sealed:1:<key id>:<wrapped data key, base64>:<nonce + ciphertext, base64>
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.keys import KeyRing, KeyUnavailableError, _aesgcm
+from outbox.base.keys import KeyRing, KeyUnavailableError, _aesgcm
 
 PREFIX = "sealed:1:"
 #: The columns sealed when an operation is written, and when its result is.

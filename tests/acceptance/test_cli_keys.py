@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from outbox import Endpoint, Outbox
-from outbox.keys import KeyRing
+from outbox.base.keys import KeyRing
 
 OUTBOX = str(Path(sys.executable).with_name("outbox"))
 PLANTED = "4111-PLANTED-CARD-9931"
 KEYS_MODULE = """
-from outbox.keys import KeyRing
+from outbox.base.keys import KeyRing
 FP = b"f" * 32
 old = KeyRing({"k1": b"1" * 32}, current="k1", fingerprint_key=FP)
 both = KeyRing({"k2": b"2" * 32, "k1": b"1" * 32}, current="k2", fingerprint_key=FP)
@@ -81,7 +81,7 @@ def test_without_a_key_ring_keys_commands_are_refused(tmp_path: Path, db: str) -
     bad = run(tmp_path, ["keys", "rotate", "--db", db, "--keys", "ringmod:FP"])
     assert bad.returncode == 2
     assert bad.stderr.startswith(
-        "error: --keys ringmod:FP: FP is a bytes, not an outbox.keys.KeyRing "
+        "error: --keys ringmod:FP: FP is a bytes, not an outbox.base.keys.KeyRing "
         "(or a function returning one)"
     )
     assert len(bad.stderr.splitlines()) == 1

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from outbox import Endpoint, FakeClock, OperationConflict, Outbox, RetryPolicy, State
-from outbox.keys import KeyRing, KeyUnavailableError
+from outbox.base.keys import KeyRing, KeyUnavailableError
 from outbox.store import rekey
 from outbox.store.sealing import Sealed
 from outbox.store.tables import audit, operations

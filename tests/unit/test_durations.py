@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from outbox.durations import format_duration, parse_duration
+from outbox.base.durations import format_duration, parse_duration
 from outbox.errors import ValidationError
 
 

@@ -32,7 +32,8 @@ def _aesgcm(key: bytes) -> Any:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError as exc:  # pragma: no cover - the extra is missing
         raise ConfigurationError(
-            "encryption at rest needs the 'cryptography' package: pip install 'http-outbox[encryption]'"
+            "encryption at rest needs the 'cryptography' package: "
+            "pip install 'http-outbox[encryption]'"
         ) from exc
     return AESGCM(key)
 
