@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import json
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -43,7 +42,7 @@ from outbox.errors import (
     WaitTimeout,
 )
 from outbox.model import Operation, State
-from outbox.observe.hooks import Instrumentation, combine
+from outbox.observe.wiring import ObservabilityMethods
 from outbox.store import Store, store_for
 from outbox.store.commit import Key, insert_and_commit, write_and_commit
 from outbox.store.engine import outbox_engine
@@ -55,7 +54,6 @@ from outbox.transaction import INSIDE_A_TRANSACTION, TransactionMethods, connect
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
 
     # The dispatcher pulls in httpx and aiohttp: imported when dispatching, so that
     # reading an outbox (the operator's commands) starts fast.
@@ -64,7 +62,7 @@ if TYPE_CHECKING:
     from outbox.reconcile import Reconciler
 
 
-class Outbox(AsyncMethods, TransactionMethods):
+class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
     """A durable outbox over a SQLite file or a PostgreSQL database.
 
     ``Outbox()`` uses ``./outbox.sqlite3``. On SQLite the schema is created or upgraded
@@ -481,59 +479,6 @@ class Outbox(AsyncMethods, TransactionMethods):
         from outbox.reconcile import Reconciler
 
         return Reconciler(self)
-
-    # -- observability ------------------------------------------------------------
-
-    def metrics(
-        self, *, registry: CollectorRegistry | None = None, cache_seconds: float = 5.0
-    ) -> OutboxMetrics:
-        """Prometheus metrics of this outbox (needs the ``metrics`` extra).
-
-        The first call registers them in ``registry`` (default: prometheus_client's
-        global one) and every dispatcher this outbox starts afterwards records into
-        them; later calls return the same object. Store-backed gauges are read at
-        scrape time, at most every ``cache_seconds``.
-        """
-        if self._metrics is not None:
-            if registry is not None and registry is not self._metrics.registry:
-                raise ConfigurationError("this outbox's metrics are registered elsewhere")
-            return self._metrics
-        try:
-            from outbox.observe.metrics import OutboxMetrics
-        except ImportError as exc:
-            raise ConfigurationError(
-                "metrics need prometheus_client: pip install 'http-outbox[metrics]'"
-            ) from exc
-        try:
-            self._metrics = OutboxMetrics(self, registry=registry, cache_seconds=cache_seconds)
-        except ValueError as exc:  # duplicated time series in the registry
-            raise ConfigurationError(
-                f"{exc}: another outbox's metrics are in this registry; pass registry="
-            ) from exc
-        return self._metrics
-
-    def _traceparent(self) -> str | None:
-        """The active span's W3C trace context, stored with the operation: only when
-        OpenTelemetry is in use (imported by the application) and not switched off."""
-        if self._tracing_off or "opentelemetry.trace" not in sys.modules:
-            return None
-        from outbox.observe.tracing import current_traceparent
-
-        return current_traceparent()
-
-    def _instrumentation(self) -> Instrumentation:
-        parts: list[Instrumentation] = []
-        if self._metrics is not None:
-            parts.append(self._metrics)
-        if not self._tracing_off and (
-            self._tracer_provider is not None or "opentelemetry.trace" in sys.modules
-        ):
-            from outbox.observe.tracing import Tracing, configured
-
-            provider = configured(self._tracer_provider)
-            if provider is not None:
-                parts.append(Tracing(provider))
-        return combine(parts)
 
     # -- dispatch -----------------------------------------------------------------
 
