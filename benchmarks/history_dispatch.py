@@ -12,9 +12,15 @@ database), medians quoted:
 * ``history_metrics``: ``history`` with Prometheus metrics registered, never scraped;
 * ``history_scrape``: ``history_metrics`` scraped every ``--scrape-ms`` (50) by a thread
   calling ``generate_latest``, the store-backed gauges re-read on every scrape
-  (``cache_seconds=0``: the worst case; the default caches them for 5 s).
+  (``cache_seconds=0``: the worst case);
+* ``history_scrape_cached``: the same scrape with the default ``cache_seconds=5``.
 
-Targets: ``history`` >= 0.9x ``empty``; ``history_scrape`` >= 0.98x ``history_metrics``.
+Each run also times the dispatcher's start-up check (``Store.preflight``: on SQLite a
+``PRAGMA quick_check``, which reads the whole file) and quotes the rate after it
+(``steady``) beside the rate from start (``ops_per_s``): at 1M settled rows the check
+takes seconds, and a drain of a few thousand operations would otherwise measure it.
+
+Targets: ``history`` >= 0.9x ``empty``; a scrape >= 0.98x ``history_metrics``.
 The history database is built once and copied per run (seconds, not a reload).
 """
 
@@ -34,7 +40,7 @@ from typing import Any
 from benchmarks.common import endpoint, receiver, workdir
 from benchmarks.dispatch import drain, load
 
-VARIANTS = ("empty", "history", "history_metrics", "history_scrape")
+VARIANTS = ("empty", "history", "history_metrics", "history_scrape", "history_scrape_cached")
 
 
 def template(work: Path, rows: int) -> tuple[Path, Path, float]:
@@ -70,15 +76,17 @@ def run_variant(variant: str, db: Path, rx_url: str, n: int, concurrency: int,
     scrapes = [0]
     thread = None
     try:
-        if variant in ("history_metrics", "history_scrape"):
+        if variant.startswith("history_"):
             from prometheus_client import CollectorRegistry
 
             registry = CollectorRegistry()
-            ob.metrics(registry=registry, cache_seconds=0.0)
-            if variant == "history_scrape":
+            cached = variant.endswith("_cached")
+            ob.metrics(registry=registry, cache_seconds=5.0 if cached else 0.0)
+            if "scrape" in variant:
                 thread = threading.Thread(
                     target=_scraper, args=(registry, scrape_s, stop, scrapes), daemon=True
                 )
+        preflight = _timed_preflight(ob.store)
         load(ob, n, f"hd-{uuid.uuid4().hex[:8]}-")
         if thread is not None:
             thread.start()
@@ -92,7 +100,26 @@ def run_variant(variant: str, db: Path, rx_url: str, n: int, concurrency: int,
         if thread is not None:
             thread.join()
         ob.close()
-    return {"ops_per_s": n / seconds, "cpu_ms_per_op": cpu * 1000 / n, "scrapes": scrapes[0]}
+    return {
+        "ops_per_s": n / seconds, "steady": n / (seconds - preflight[0]),
+        "preflight_s": preflight[0], "cpu_ms_per_op": cpu * 1000 / n, "scrapes": scrapes[0],
+    }  # fmt: skip
+
+
+def _timed_preflight(store: Any) -> list[float]:
+    """Time the dispatcher's start-up check on this store; [seconds], filled on call."""
+    spent = [0.0]
+    inner = store.preflight
+
+    def timed() -> None:
+        started = time.perf_counter()
+        try:
+            inner()
+        finally:
+            spent[0] += time.perf_counter() - started
+
+    store.preflight = timed
+    return spent
 
 
 def measure(rows: int, n: int, concurrency: int, repeat: int, scrape_ms: float,
@@ -114,18 +141,25 @@ def measure(rows: int, n: int, concurrency: int, repeat: int, scrape_ms: float,
                 r = run_variant(variant, db, rx.url, n, concurrency, scrape_ms / 1000)
                 db.unlink()
                 runs[variant].append(r)
-                say(f"round {round_ + 1} {variant}: {r['ops_per_s']:,.0f} ops/s, "
+                say(f"round {round_ + 1} {variant}: {r['ops_per_s']:,.0f} ops/s "
+                    f"({r['steady']:,.0f} after a {r['preflight_s']:.2f} s start-up check), "
                     f"{r['cpu_ms_per_op']:.3f} CPU ms/op, {r['scrapes']} scrapes")  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
     med = {v: statistics.median(x["ops_per_s"] for x in rs) for v, rs in runs.items()}
     cpu = {v: statistics.median(x["cpu_ms_per_op"] for x in rs) for v, rs in runs.items()}
+    steady = {v: statistics.median(x["steady"] for x in rs) for v, rs in runs.items()}
+    check = {v: statistics.median(x["preflight_s"] for x in rs) for v, rs in runs.items()}
     return {
         "rows": rows, "n": n, "concurrency": concurrency, "repeat": repeat,
         "scrape_ms": scrape_ms, "load_seconds": round(load_s, 1), "runs": runs,
-        "median_ops_per_s": med, "median_cpu_ms_per_op": cpu,
+        "median_ops_per_s": med, "median_steady_ops_per_s": steady,
+        "median_preflight_s": check, "median_cpu_ms_per_op": cpu,
         "history_vs_empty": med["history"] / med["empty"],
-        "scrape_vs_metrics": med["history_scrape"] / med["history_metrics"],
+        "history_vs_empty_steady": steady["history"] / steady["empty"],
+        "scrape_vs_metrics": steady["history_scrape"] / steady["history_metrics"],
         "scrape_cpu_vs_metrics": cpu["history_scrape"] / cpu["history_metrics"],
+        "cached_scrape_vs_metrics": steady["history_scrape_cached"] / steady["history_metrics"],
+        "cached_scrape_cpu_vs_metrics": cpu["history_scrape_cached"] / cpu["history_metrics"],
     }  # fmt: skip
 
 
@@ -143,11 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     res = measure(args.rows, args.n, args.concurrency, args.repeat, args.scrape_ms)
     print(f"\nSQLite dispatch, N={args.n}, {args.rows:,} settled rows, median of {args.repeat}:")
     for v in VARIANTS:
-        print(f"  {v:<16} {res['median_ops_per_s'][v]:>8,.0f} ops/s  "
+        print(f"  {v:<22} {res['median_ops_per_s'][v]:>7,.0f} ops/s from start, "
+              f"{res['median_steady_ops_per_s'][v]:>7,.0f} after the start-up check "
+              f"({res['median_preflight_s'][v]:.2f} s)  "
               f"{res['median_cpu_ms_per_op'][v]:.3f} CPU ms/op")  # fmt: skip
-    print(f"  history / empty: {res['history_vs_empty']:.2f}x (target >= 0.90)")
-    print(f"  scrape every {args.scrape_ms:g} ms / metrics: {res['scrape_vs_metrics']:.3f}x "
-          f"throughput, {res['scrape_cpu_vs_metrics']:.3f}x CPU (target cost <= 2%)")  # fmt: skip
+    print(f"  history / empty: {res['history_vs_empty']:.2f}x from start, "
+          f"{res['history_vs_empty_steady']:.2f}x after the check (target >= 0.90)")
+    for key, what in (("scrape", "no cache"), ("cached_scrape", "5 s cache")):
+        print(f"  scrape every {args.scrape_ms:g} ms ({what}) / metrics: "
+              f"{res[key + '_vs_metrics']:.3f}x throughput, "
+              f"{res[key + '_cpu_vs_metrics']:.3f}x CPU (target cost <= 2%)")  # fmt: skip
     print(json.dumps(res))
     return 0
 
