@@ -67,7 +67,7 @@ def _scraper(registry: Any, every_s: float, stop: threading.Event, counts: list[
         counts[0] += 1
 
 
-def run_variant(variant: str, db: Path, rx_url: str, n: int, concurrency: int,
+def run_variant(variant: str, db: Path, rx_url: str, n: int, *, concurrency: int,
                 scrape_s: float) -> dict[str, float]:  # fmt: skip
     from outbox import Outbox
 
@@ -122,7 +122,7 @@ def _timed_preflight(store: Any) -> list[float]:
     return spent
 
 
-def measure(rows: int, n: int, concurrency: int, repeat: int, scrape_ms: float,
+def measure(rows: int, n: int, *, concurrency: int, repeat: int, scrape_ms: float,
             say: Any = print) -> dict[str, Any]:  # fmt: skip
     work = workdir()
     empty, hist, load_s = template(work, rows)
@@ -132,13 +132,17 @@ def measure(rows: int, n: int, concurrency: int, repeat: int, scrape_ms: float,
         for variant in ("empty", "history"):  # warm-up, unmeasured
             db = work / f"warm-{variant}.sqlite3"
             shutil.copy(empty if variant == "empty" else hist, db)
-            run_variant(variant, db, rx.url, min(n, 300), concurrency, scrape_ms / 1000)
+            run_variant(
+                variant, db, rx.url, min(n, 300), concurrency=concurrency, scrape_s=scrape_ms / 1000
+            )
             db.unlink()
         for round_ in range(repeat):
             for variant in VARIANTS:
                 db = work / f"run-{variant}.sqlite3"
                 shutil.copy(empty if variant == "empty" else hist, db)
-                r = run_variant(variant, db, rx.url, n, concurrency, scrape_ms / 1000)
+                r = run_variant(
+                    variant, db, rx.url, n, concurrency=concurrency, scrape_s=scrape_ms / 1000
+                )
                 db.unlink()
                 runs[variant].append(r)
                 say(f"round {round_ + 1} {variant}: {r['ops_per_s']:,.0f} ops/s "
@@ -174,15 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.rows, args.n, args.repeat = 2000, 100, 1
-    res = measure(args.rows, args.n, args.concurrency, args.repeat, args.scrape_ms)
+    res = measure(
+        args.rows,
+        args.n,
+        concurrency=args.concurrency,
+        repeat=args.repeat,
+        scrape_ms=args.scrape_ms,
+    )
     print(f"\nSQLite dispatch, N={args.n}, {args.rows:,} settled rows, median of {args.repeat}:")
     for v in VARIANTS:
         print(f"  {v:<22} {res['median_ops_per_s'][v]:>7,.0f} ops/s from start, "
               f"{res['median_steady_ops_per_s'][v]:>7,.0f} after the start-up check "
               f"({res['median_preflight_s'][v]:.2f} s)  "
               f"{res['median_cpu_ms_per_op'][v]:.3f} CPU ms/op")  # fmt: skip
-    print(f"  history / empty: {res['history_vs_empty']:.2f}x from start, "
-          f"{res['history_vs_empty_steady']:.2f}x after the check (target >= 0.90)")
+    print(
+        f"  history / empty: {res['history_vs_empty']:.2f}x from start, "
+        f"{res['history_vs_empty_steady']:.2f}x after the check (target >= 0.90)"
+    )
     for key, what in (("scrape", "no cache"), ("cached_scrape", "5 s cache")):
         print(f"  scrape every {args.scrape_ms:g} ms ({what}) / metrics: "
               f"{res[key + '_vs_metrics']:.3f}x throughput, "

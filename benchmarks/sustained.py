@@ -11,7 +11,9 @@ seconds on operations finished more than ``--retain`` seconds ago, as a cron job
 After each interval it prints one row: throughput, the claim's latency (p50/p99/max,
 every ``claim_and_begin`` the dispatcher ran, timed around the store call), the size of
 each table and of its indexes (``pg_total_relation_size``, ``pg_indexes_size``), its
-live and dead tuples (``pg_stat_user_tables``) and what purge deleted. Targets: last
+live and dead tuples (``pg_stat_user_tables``) and what purge deleted. ``--vacuum``
+runs ``VACUUM (ANALYZE)`` after each purge, for a server whose autovacuum is off (as
+the shared development server's is) or too slow to keep up. Targets: last
 interval's throughput within 10% of the first; sizes and dead tuples bounded.
 
 Purge-history mode: ``--purge-history`` settled operations (with their attempt rows,
@@ -28,7 +30,6 @@ import json
 import statistics
 import threading
 import time
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -98,13 +99,22 @@ def sizes(url: str) -> dict[str, Any]:
     return out
 
 
+def vacuum(url: str) -> None:
+    """``VACUUM (ANALYZE)`` both tables: what autovacuum does where it is on."""
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text("VACUUM (ANALYZE) outbox_operations, outbox_attempts"))
+    engine.dispose()
+
+
 class Purger(threading.Thread):
     """``Reconciler.purge`` every ``every`` seconds, for rows older than ``retain``."""
 
-    def __init__(self, url: str, every: float, retain: float) -> None:
+    def __init__(self, url: str, every: float, retain: float, vacuum: bool = False) -> None:
         super().__init__(daemon=True)
         from outbox import Outbox
 
+        self.url, self.vacuum = url, vacuum
         self.ob = Outbox(url, endpoints=[endpoint("http://127.0.0.1:9", concurrency=1)])
         self.every, self.retain = every, retain
         self.stop = threading.Event()
@@ -120,6 +130,8 @@ class Purger(threading.Thread):
                 removed = rec.purge(older_than=timedelta(seconds=self.retain), operator="bench")
                 self.seconds.append(time.perf_counter() - started)
                 self.deleted += sum(removed.values())
+                if self.vacuum:
+                    vacuum(self.url)
         except BaseException as exc:  # reported by close(), not lost with the thread
             self.error = exc
 
@@ -139,7 +151,7 @@ def sustained(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     with receiver(work) as rx, postgres_schema("bench_sust") as url:
         ob = Outbox(url, endpoints=[endpoint(rx.url, concurrency=args.concurrency)])
         timer = ClaimTimer(ob.store)
-        purger = Purger(url, args.purge_every, args.retain)
+        purger = Purger(url, args.purge_every, args.retain, args.vacuum)
         purger.start()
         try:
             done = 0
@@ -166,7 +178,8 @@ def sustained(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     return {
         "mode": "sustained", "size": args.size, "interval": args.interval,
         "concurrency": args.concurrency, "purge_every_s": args.purge_every,
-        "retain_s": args.retain, "intervals": rows, "last_vs_first": round(last / first, 3),
+        "retain_s": args.retain, "vacuum": args.vacuum, "intervals": rows,
+        "last_vs_first": round(last / first, 3),
         "purge_seconds": quantiles([s * 1000 for s in purger.seconds]),
     }  # fmt: skip
 
@@ -248,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--purge-every", type=float, default=10.0, help="seconds")
     parser.add_argument("--retain", type=float, default=20.0, help="purge older than, seconds")
+    parser.add_argument(
+        "--vacuum", action="store_true",
+        help="VACUUM (ANALYZE) after each purge: stands in for autovacuum where it is off",
+    )  # fmt: skip
     parser.add_argument("--purge-history", type=int, default=0, help="purge-history mode")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the harness works")
     args = parser.parse_args(argv)
