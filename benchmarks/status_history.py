@@ -102,7 +102,8 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
     with engine.connect() as conn:
         if pg:
             conn.execute(text("COMMIT"))
-            conn.execute(text(f"SET search_path TO {schema}"))
+            if schema:  # else the URL's own search_path stands
+                conn.execute(text(f"SET search_path TO {schema}"))
             conn.execute(text("ANALYZE outbox_operations"))
             conn.execute(text("ANALYZE outbox_attempts"))
     engine.dispose()
