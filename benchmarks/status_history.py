@@ -99,10 +99,12 @@ def populate(url: str, rows: int, *, schema: str | None = None) -> None:
                     "reason": "retries_exhausted" if state == "unresolved" else None,
                 },
             )
-    with engine.connect() as conn:
+    # Autocommit: an ANALYZE in a transaction that is never committed leaves no
+    # statistics (the planner then takes a million rows for a few dozen).
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         if pg:
-            conn.execute(text("COMMIT"))
-            conn.execute(text(f"SET search_path TO {schema}"))
+            if schema:  # else the URL's own search_path stands
+                conn.execute(text(f"SET search_path TO {schema}"))
             conn.execute(text("ANALYZE outbox_operations"))
             conn.execute(text("ANALYZE outbox_attempts"))
     engine.dispose()

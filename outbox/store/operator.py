@@ -18,6 +18,7 @@ from sqlalchemy import (
     func,
     insert,
     select,
+    tuple_,
     update,
 )
 
@@ -169,33 +170,35 @@ class OperatorQueries(ChangeSignals):
 
         Unresolved, pending and in-flight operations are never touched. Works in
         bounded batches so no transaction grows with the table; ``on_batch`` is told
-        how many each batch deleted.
+        how many each batch deleted. Each state is walked through the ``(state,
+        updated_at)`` index from where the previous batch stopped (a keyset, not
+        ``LIMIT`` from the start again), so a batch never rescans the entries of rows
+        already deleted and not yet vacuumed: the cost of a batch stays flat however
+        large the purge. A terminal row changed after it finished waits until that
+        change is older than the cutoff too.
         """
         removed: dict[str, int] = {}
-        terminal = [s.value for s in (State.SUCCEEDED, State.FAILED, State.CANCELLED)]
-        while True:
-            with self.write() as conn:
-                batch = conn.execute(
-                    select(operations.c.id, operations.c.state)
-                    .where(
-                        operations.c.state.in_(terminal),
-                        operations.c.finished_at < finished_before_ms,
+        for state in (State.SUCCEEDED, State.FAILED, State.CANCELLED):
+            after: tuple[int, int] | None = None
+            while True:
+                with self.write() as conn:
+                    batch = conn.execute(
+                        _purge_batch(state.value, finished_before_ms, after, batch_size)
+                    ).all()
+                    if not batch:
+                        break
+                    ids = [r.id for r in batch]
+                    conn.execute(delete(attempts).where(attempts.c.operation_pk.in_(ids)))
+                    conn.execute(
+                        delete(operations).where(
+                            operations.c.id.in_(ids), operations.c.state == state.value
+                        )
                     )
-                    .limit(batch_size)
-                ).all()
-                if not batch:
-                    return removed
-                ids = [r.id for r in batch]
-                conn.execute(delete(attempts).where(attempts.c.operation_pk.in_(ids)))
-                conn.execute(
-                    delete(operations).where(
-                        operations.c.id.in_(ids), operations.c.state.in_(terminal)
-                    )
-                )
-            for r in batch:
-                removed[r.state] = removed.get(r.state, 0) + 1
-            if on_batch is not None:
-                on_batch(len(batch))
+                after = (batch[-1].updated_at, batch[-1].id)
+                removed[state.value] = removed.get(state.value, 0) + len(batch)
+                if on_batch is not None:
+                    on_batch(len(batch))
+        return removed
 
     def record_audit(self, row: dict[str, Any]) -> None:
         with self.write() as conn:
@@ -221,3 +224,19 @@ class OperatorQueries(ChangeSignals):
                     select(operations.c.state, func.count().label("n")).group_by(operations.c.state)
                 )
             }
+
+
+def _purge_batch(state: str, cutoff_ms: int, after: tuple[int, int] | None, size: int) -> Any:
+    """The next ``size`` operations in ``state`` finished before the cutoff, after the
+    ``(updated_at, id)`` where the previous batch stopped."""
+    query = select(operations.c.id, operations.c.updated_at).where(
+        operations.c.state == state,
+        operations.c.updated_at < cutoff_ms,
+        operations.c.finished_at < cutoff_ms,
+    )
+    if after is not None:
+        query = query.where(
+            operations.c.updated_at >= after[0],  # the index's range: starts where we were
+            tuple_(operations.c.updated_at, operations.c.id) > tuple_(after[0], after[1]),
+        )
+    return query.order_by(operations.c.updated_at, operations.c.id).limit(size)
