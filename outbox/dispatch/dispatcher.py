@@ -13,7 +13,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -23,6 +22,7 @@ from outbox.base.logs import get_logger
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import failpoints, heartbeat
+from outbox.dispatch._claims import ClaimArgs, claim_and_begin, claim_probe, record_and_claim
 from outbox.dispatch.breaker import Breaker
 from outbox.dispatch.dbthread import (
     DatabaseUnresponsive,
@@ -36,7 +36,6 @@ from outbox.dispatch.outcomes import (
     attempt_outcome,
     default_dispatcher_id,
     not_sent_outcome,
-    plan_claimed,
     send_deadline_ms,
     transition_event,
 )
@@ -46,11 +45,7 @@ from outbox.errors import StoreError
 from outbox.model import ErrorClass, State
 from outbox.observe.hooks import NOTHING, Instrumentation
 from outbox.store.base import Store
-from outbox.store.records import (
-    AttemptOutcome,
-    Claimed,
-    ClaimResult,
-)
+from outbox.store.records import AttemptOutcome, ClaimResult
 from outbox.wire.transport import (
     build_client,
     request_headers,
@@ -69,18 +64,6 @@ __all__ = ["DispatchSummary", "Dispatcher", "OnUnresolved", "TransportFactory"]
 _CLOCK_SYNC_SECONDS = 30.0
 #: The longest wait between claims while the database refuses them.
 _MAX_STORE_BACKOFF_SECONDS = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class _ClaimArgs:
-    """One claim's arguments for the store and what its accounting needs after it."""
-
-    kwargs: dict[str, Any]
-    token: str
-    now: int
-    claim_ns: int
-    claimed_mono: float
-    refused: list[tuple[Claimed, str]]
 
 
 class Dispatcher:
@@ -332,39 +315,28 @@ class Dispatcher:
             )
         return self.summary
 
-    def _claim_args(self, limit: int) -> _ClaimArgs:
-        token = str(uuid.uuid4())
-        now = self.clock.now_ms()
-        refused: list[tuple[Claimed, str]] = []
-        return _ClaimArgs(
-            kwargs={
-                "owner": self.dispatcher_id,
-                "token": token,
-                "now_ms": now,
-                "lease_ms": int(self.lease_seconds * 1000),
-                "limit": limit,
-                "plan": lambda claimed: plan_claimed(
-                    claimed, endpoints=self.endpoints, dispatcher_id=self.dispatcher_id,
-                    token=token, now=now, refused=refused,
-                ),
-            },
-            token=token,
-            now=now,
+    def _claim_args(self, limit: int) -> ClaimArgs:
+        return ClaimArgs(
+            owner=self.dispatcher_id,
+            token=str(uuid.uuid4()),
+            now_ms=self.clock.now_ms(),
+            lease_ms=int(self.lease_seconds * 1000),
+            limit=limit,
+            endpoints=self.endpoints,
             claim_ns=time.time_ns(),
             claimed_mono=self.clock.monotonic(),
-            refused=refused,
         )
 
     async def _claim_and_start(self, limit: int) -> tuple[list[Work], bool]:
         # The work to start, and whether nothing was claimed. One transaction: the claim,
         # its decisions, the attempt rows; it commits before any request goes out.
         args = self._claim_args(limit)
-        result = await self._run_db(self.store.claim_and_begin, **args.kwargs)
+        result = await self._run_db(claim_and_begin, store=self.store, args=args)
         return await self._claimed(result, args), not result.claimed
 
-    async def _claimed(self, result: ClaimResult, args: _ClaimArgs) -> list[Work]:
+    async def _claimed(self, result: ClaimResult, args: ClaimArgs) -> list[Work]:
         """Account for a committed claim; the work to start (nothing is sent yet)."""
-        token, now, claimed_mono, refused = args.token, args.now, args.claimed_mono, args.refused
+        token, now, claimed_mono, refused = args.token, args.now_ms, args.claimed_mono, args.refused
         claimed = result.claimed
         self.wakeup.after_claim(len(claimed))
         if not claimed:
@@ -421,9 +393,8 @@ class Dispatcher:
     async def _claim_probe(self, endpoint: str) -> int:
         """Claim and start the half-open probe of ``endpoint`` (one due operation)."""
         args = self._claim_args(1)
-        kwargs = {k: v for k, v in args.kwargs.items() if k != "limit"}
         works = await self._claimed(
-            await self._run_db(self.store.claim_probe, endpoint=endpoint, **kwargs), args
+            await self._run_db(claim_probe, store=self.store, args=args, endpoint=endpoint), args
         )
         self.breaker.probes.update((w.claimed.pk, endpoint) for w in works)
         self._start(works)
@@ -562,7 +533,7 @@ class Dispatcher:
                 if claim is not None:
                     await self._start_carried(*claim)
 
-    async def _start_carried(self, reserved: int, result: ClaimResult, args: _ClaimArgs) -> None:
+    async def _start_carried(self, reserved: int, result: ClaimResult, args: ClaimArgs) -> None:
         """Start the work of a claim the writer made; give its reserved slots back. If
         that fails (a bug, a failpoint), its attempt rows stay open until its leases
         expire, and the next claim records them as unknown."""
@@ -597,7 +568,7 @@ class Dispatcher:
 
     async def _record_outcomes(
         self, batch: list[AttemptOutcome]
-    ) -> tuple[set[int], tuple[int, ClaimResult, _ClaimArgs] | None]:
+    ) -> tuple[set[int], tuple[int, ClaimResult, ClaimArgs] | None]:
         """Write a batch of outcomes, with the next claim when the loop waits for their
         slots (one transaction). Alone, or if that transaction fails: retry a transient
         database failure while a lease of the batch still holds (see
@@ -609,7 +580,7 @@ class Dispatcher:
             self.wakeup.before_claim()
             try:
                 written, result = await self._run_db(
-                    self.store.record_and_claim, outcomes=batch, **args.kwargs
+                    record_and_claim, store=self.store, args=args, outcomes=batch
                 )
                 return written, (limit, result, args)
             except Exception as exc:
