@@ -85,7 +85,6 @@ class Dispatcher:
         self._observe = instrumentation or NOTHING
         # Header names whose values are credentials: redacted where a receiver echoes them.
         self._secret_headers = tuple(secret_headers)
-        self._lookups = UnresolvedLookups(self, on_unresolved)
         self.endpoints = dict(endpoints)
         self.clock = clock
         self.settings = settings
@@ -112,6 +111,10 @@ class Dispatcher:
         self._lease_ends: dict[int, float] = {}
         self._last_clock_sync = clock.monotonic()
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
+        self._lookups = UnresolvedLookups(
+            on_unresolved, client=self._client, run_db=self._run_db, log=self._log,
+            observe=self._observe, summary=self.summary,
+        )  # fmt: skip
         #: This dispatcher's part in the fleet's circuit breakers (outbox.dispatch.breaker).
         self.breaker = Breaker(
             store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
