@@ -202,22 +202,10 @@ class Dispatcher:
         ``until_empty``, until nothing is due and nothing is in flight: retries scheduled
         for later stay pending). ``on_progress`` gets the summary after each claim."""
         stop = stop or asyncio.Event()
-        try:
-            await self._run_db(self.store.preflight)
-        except BaseException:
-            self._db.shutdown()
-            raise
-        watchdog = asyncio.create_task(
-            self._db.watch(stop, self.settings.stop_timeout_seconds)
-        )
+        await self._preflight()
+        watchdog = asyncio.create_task(self._db.watch(stop, self.settings.stop_timeout_seconds))
         writer = asyncio.create_task(self._write_outcomes())
-        if failpoints.armed():
-            self._log.warning("failpoints_armed", points=failpoints.armed(),
-                              detail="fault injection is on: this process may kill itself")
-        elif failpoints.ignored_spec():
-            self._log.warning("failpoints_ignored",
-                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
-                              "is not; no failpoint is armed")
+        self._warn_failpoints()
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
         # The writer claims with its outcome writes only while the loop runs on.
@@ -230,93 +218,153 @@ class Dispatcher:
             lease_seconds=self.lease_seconds,
             once=once,
         )
-        backoff = 0.0
         try:
-            while not stop.is_set():
-                free = self.settings.concurrency - self._inflight - self._claiming
-                if free < self._low_water:
-                    self._capacity.clear()
-                    self._parked = True
-                    try:
-                        await wait_any(self._capacity, stop, timeout=1.0)
-                    finally:
-                        self._parked = False
-                    continue
-                try:
-                    await self._maybe_sync_clock()
-                    await self.breaker.tick(self._claim_probe)
-                    self.wakeup.before_claim()
-                    got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
-                    if nothing and not once:
-                        self.wakeup.next_due(
-                            await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
-                        )
-                        self.wakeup.due_at(self.breaker.next_probe_ms())
-                except (StoreError, DBAPIError) as exc:
-                    # Locked, read-only or unreachable: nothing was claimed (or the claim's
-                    # lease will simply expire). Back off and try again; never crash.
-                    backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
-                    self._log.warning("store_unavailable", error=type(exc).__name__,
-                                      detail=str(exc)[:300], retry_in_seconds=backoff)
-                    if once:
-                        raise
-                    await wait_any(stop, timeout=backoff)
-                    continue
-                backoff = 0.0
-                self._start(got)
-                if on_progress is not None:
-                    on_progress(self.summary)
-                if once:
-                    break
-                if nothing:
-                    if until_empty:
-                        if self._inflight == 0:
-                            break  # nothing due, every outcome written
-                        # Outcomes still to come may make something due again.
-                        self._capacity.clear()
-                        await wait_any(self._capacity, stop, timeout=1.0)
-                        continue
-                    await self.wakeup.wait(stop)
+            await self._claim_loop(
+                stop, once=once, until_empty=until_empty, on_progress=on_progress
+            )
         finally:
-            await self.wakeup.close()
-            # Graceful stop: no new claims; requests on the wire finish (each bounded by
-            # its deadline) and their outcomes are written before we return. A claim the
-            # outcome writer has under way is committed: its work starts first.
-            await self._no_claim.wait()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._outcomes.put(None)
-            try:  # a writer that died re-raises here, after the cleanup below
-                await writer
-            finally:
-                await self._lookups.drain()
-                for client in self._clients.values():
-                    await client.aclose()
-                self._clients.clear()
-                if beats is not None:
-                    beats.cancel()
-                    await asyncio.gather(beats, return_exceptions=True)
-                    await heartbeat.stopped(self)
-                self._observe.dispatcher_stopped(self)
-                watchdog.cancel()
-                self._db.shutdown()
-                if self._db.gave_up:
-                    self._log.error(
-                        "dispatcher_stop_timed_out",
-                        stop_timeout_seconds=self.settings.stop_timeout_seconds,
-                        detail="the database did not answer; gave up. Leases held expire on "
-                        "their own and another dispatcher takes over; nothing is resent "
-                        "before that.",
-                        **self.summary.as_dict(),
-                    )
-                else:
-                    self._log.info("dispatcher_stopped", **self.summary.as_dict())
+            await self._shut_down(writer, beats, watchdog)
         if self._db.gave_up:
             raise DatabaseUnresponsive(
                 f"the database did not answer within {self.settings.stop_timeout_seconds}s "
                 "of the stop request; gave up (the leases held expire on their own)"
             )
         return self.summary
+
+    async def _preflight(self) -> None:
+        """Check the schema before anything starts; on failure, stop the database thread."""
+        try:
+            await self._run_db(self.store.preflight)
+        except BaseException:
+            self._db.shutdown()
+            raise
+
+    def _warn_failpoints(self) -> None:
+        if failpoints.armed():
+            self._log.warning("failpoints_armed", points=failpoints.armed(),
+                              detail="fault injection is on: this process may kill itself")
+        elif failpoints.ignored_spec():
+            self._log.warning("failpoints_ignored",
+                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
+                              "is not; no failpoint is armed")
+
+    async def _claim_loop(
+        self,
+        stop: asyncio.Event,
+        *,
+        once: bool,
+        until_empty: bool,
+        on_progress: Callable[[DispatchSummary], None] | None,
+    ) -> None:
+        """Claim and start work while slots are free, until ``stop`` (or as ``once`` and
+        ``until_empty`` say); a database that refuses claims is waited out, never fatal."""
+        backoff = 0.0
+        while not stop.is_set():
+            free = self.settings.concurrency - self._inflight - self._claiming
+            if free < self._low_water:
+                await self._wait_for_slots(stop)
+                continue
+            try:
+                got, nothing = await self._claim_step(free, once=once)
+            except (StoreError, DBAPIError) as exc:
+                backoff = self._store_backoff(backoff, exc)
+                if once:
+                    raise
+                await wait_any(stop, timeout=backoff)
+                continue
+            backoff = 0.0
+            self._start(got)
+            if on_progress is not None:
+                on_progress(self.summary)
+            if once or (nothing and not await self._idle(stop, until_empty=until_empty)):
+                break
+
+    async def _wait_for_slots(self, stop: asyncio.Event) -> None:
+        """Park until outcomes free slots (the outcome writer may claim for us meanwhile)."""
+        self._capacity.clear()
+        self._parked = True
+        try:
+            await wait_any(self._capacity, stop, timeout=1.0)
+        finally:
+            self._parked = False
+
+    async def _claim_step(self, free: int, *, once: bool) -> tuple[list[Work], bool]:
+        """One claim (after the clock sync and the breakers' probes); when nothing was
+        due, tell the wake-up when the next operation or probe is."""
+        await self._maybe_sync_clock()
+        await self.breaker.tick(self._claim_probe)
+        self.wakeup.before_claim()
+        got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
+        if nothing and not once:
+            self.wakeup.next_due(
+                await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
+            )
+            self.wakeup.due_at(self.breaker.next_probe_ms())
+        return got, nothing
+
+    def _store_backoff(self, backoff: float, exc: Exception) -> float:
+        """Locked, read-only or unreachable: nothing was claimed (or the claim's lease
+        will simply expire). The next, longer wait before trying again; never crash."""
+        backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
+        self._log.warning("store_unavailable", error=type(exc).__name__,
+                          detail=str(exc)[:300], retry_in_seconds=backoff)
+        return backoff
+
+    async def _idle(self, stop: asyncio.Event, *, until_empty: bool) -> bool:
+        """Nothing was due: wait for a reason to claim again. False when the loop ends
+        (``until_empty``, and every outcome written)."""
+        if not until_empty:
+            await self.wakeup.wait(stop)
+            return True
+        if self._inflight == 0:
+            return False  # nothing due, every outcome written
+        # Outcomes still to come may make something due again.
+        self._capacity.clear()
+        await wait_any(self._capacity, stop, timeout=1.0)
+        return True
+
+    async def _shut_down(
+        self,
+        writer: asyncio.Task[None],
+        beats: asyncio.Task[None] | None,
+        watchdog: asyncio.Task[None],
+    ) -> None:
+        await self.wakeup.close()
+        # Graceful stop: no new claims; requests on the wire finish (each bounded by
+        # its deadline) and their outcomes are written before we return. A claim the
+        # outcome writer has under way is committed: its work starts first.
+        await self._no_claim.wait()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._outcomes.put(None)
+        try:  # a writer that died re-raises here, after the cleanup below
+            await writer
+        finally:
+            await self._lookups.drain()
+            for client in self._clients.values():
+                await client.aclose()
+            self._clients.clear()
+            if beats is not None:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
+                await heartbeat.stopped(self)
+            self._observe.dispatcher_stopped(self)
+            watchdog.cancel()
+            self._db.shutdown()
+            self._log_stopped()
+
+    def _log_stopped(self) -> None:
+        if self._db.gave_up:
+            self._log.error(
+                "dispatcher_stop_timed_out",
+                stop_timeout_seconds=self.settings.stop_timeout_seconds,
+                detail="the database did not answer; gave up. Leases held expire on "
+                "their own and another dispatcher takes over; nothing is resent "
+                "before that.",
+                **self.summary.as_dict(),
+            )
+        else:
+            self._log.info("dispatcher_stopped", **self.summary.as_dict())
 
     def _claim_args(self, limit: int) -> ClaimArgs:
         return ClaimArgs(
