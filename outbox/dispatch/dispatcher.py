@@ -22,6 +22,7 @@ from outbox.base.logs import get_logger
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import failpoints, heartbeat
+from outbox.dispatch._attempt import AttemptSender
 from outbox.dispatch._claims import ClaimArgs, claim_and_begin, claim_probe, record_and_claim
 from outbox.dispatch.breaker import Breaker
 from outbox.dispatch.dbthread import (
@@ -33,25 +34,17 @@ from outbox.dispatch.dbthread import (
 from outbox.dispatch.outcomes import (
     DispatchSummary,
     Work,
-    attempt_outcome,
     default_dispatcher_id,
-    not_sent_outcome,
-    send_deadline_ms,
     transition_event,
 )
 from outbox.dispatch.unresolved import OnUnresolved, UnresolvedLookups
 from outbox.dispatch.wakeup import Wakeup, wait_any
 from outbox.errors import StoreError
-from outbox.model import ErrorClass, State
+from outbox.model import State
 from outbox.observe.hooks import NOTHING, Instrumentation
 from outbox.store.base import Store
 from outbox.store.records import AttemptOutcome, ClaimResult
-from outbox.wire.transport import (
-    build_client,
-    request_headers,
-    send_attempt,
-    unbuilt_attempt,
-)
+from outbox.wire.transport import build_client
 
 logger = get_logger("outbox.dispatch")
 
@@ -121,6 +114,14 @@ class Dispatcher:
             now_ms=clock.now_ms, monotonic=clock.monotonic, run_db=self._run_db,
             lease_ms=int(self.lease_seconds * 1000), log=self._log,
         )  # fmt: skip
+        self._sender = AttemptSender(
+            clock=clock, lease_margin_seconds=settings.lease_margin_seconds,
+            summary=self.summary, observe=self._observe, log=self._log, client=self._client,
+            secret_headers=self._secret_headers, outcomes=self._outcomes,
+            # Late-bound: looked up at each attempt (tests/soak/planted.py patches it).
+            lease_left=lambda work: self._lease_left(work),  # noqa: PLW0108
+            known_down=self.breaker.known_down, crashed=self._attempt_crashed,
+        )  # fmt: skip
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
         #: What wakes this dispatcher when idle (see outbox.dispatch.wakeup); ``wakeup.stats``
@@ -161,7 +162,7 @@ class Dispatcher:
     def _start(self, works: list[Work]) -> None:
         for work in works:
             self._inflight += 1
-            task = asyncio.create_task(self._attempt(work))
+            task = asyncio.create_task(self._sender.send(work))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -451,97 +452,11 @@ class Dispatcher:
         self._start(works)
         return len(works)
 
-    async def _attempt(self, work: Work) -> None:
-        c, endpoint, started = work.claimed, work.endpoint, work.started
-        log = self._log.bind(
-            operation_id=c.operation_id,
-            tenant=c.tenant,
-            endpoint=endpoint.name,
-            request_id=started.request_id,
-            attempt=started.number,
-        )
-        try:
-            await failpoints.hit("after_attempt_commit")
-            # Re-check the lease on the monotonic clock: a process that was paused (GC,
-            # SIGSTOP, a frozen VM) must not wake up and send on a lease it lost.
-            remaining = self._lease_left(work)
-            if remaining < endpoint.timeout + self.settings.lease_margin_seconds:
-                self.summary.lease_check_failed += 1
-                log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
-                await self._outcomes.put(
-                    not_sent_outcome(
-                        work,
-                        ErrorClass.LEASE_CHECK_FAILED,
-                        "not sent: too little of the lease was left for a full attempt",
-                        self.clock.now_ms(),
-                    )
-                )
-                return
-            deadline = send_deadline_ms(c, endpoint, started, self.clock.now_ms())
-            if self.clock.now_ms() > deadline:
-                # The window closed between the claim and now: never send after it. The
-                # next claim settles the operation as unresolved.
-                log.warning("window_closed_before_send")
-                await self._outcomes.put(
-                    not_sent_outcome(
-                        work,
-                        ErrorClass.WINDOW_CLOSED_BEFORE_SEND,
-                        "not sent: the retry window closed between the claim and the send",
-                        self.clock.now_ms(),
-                    )
-                )
-                return
-            try:  # anything raising before the first byte is written: not sent
-                headers = request_headers(
-                    endpoint,
-                    stored_headers=c.headers,
-                    operation_id=c.operation_id,
-                    request_id=started.request_id,
-                    tenant=c.tenant,
-                    has_body=c.body is not None or c.body_raw is not None,
-                )
-                body = c.body_bytes()
-            except Exception as exc:
-                log.warning("attempt_not_built", error=type(exc).__name__)
-                await self._outcomes.put(
-                    attempt_outcome(work, unbuilt_attempt(exc), self.clock.now_ms())
-                )
-                return
-            traced = self._observe.attempt_started(work.batch, c, endpoint, started, headers)
-            log.info("attempt_started")
-            self.summary.attempts += 1
-            result = await send_attempt(
-                self._client(endpoint),
-                endpoint,
-                method=c.method,
-                path=c.path,
-                headers=headers,
-                body=body,
-                now_ms=self.clock.now_ms,
-                public_headers=c.headers,
-                secret_headers=self._secret_headers,
-            )
-            self._observe.attempt_sent(traced, result)
-            log.info(
-                "attempt_finished",
-                status=result.status_code,
-                delivery=result.classification.delivery,
-                verdict=result.classification.verdict,
-                error=result.error_class,
-                duration_ms=result.duration_ms,
-            )
-            await failpoints.hit("after_response")
-            down = self.breaker.known_down(endpoint.name, c.pk)
-            await self._outcomes.put(
-                attempt_outcome(work, result, self.clock.now_ms(), known_down=down)
-            )
-        except Exception as exc:
-            # A bug or a failpoint: leave the attempt open. The lease expires and the
-            # next claim records it as unknown; nothing is lost or resent early.
-            log.exception("attempt_crashed", error=type(exc).__name__)
-            self._names.pop(c.pk, None)
-            self._lease_ends.pop(c.pk, None)
-            self._release_slot(1)
+    def _attempt_crashed(self, pk: int) -> None:
+        """An attempt raised before its outcome was queued: forget it, free its slot."""
+        self._names.pop(pk, None)
+        self._lease_ends.pop(pk, None)
+        self._release_slot(1)
 
     def _lease_left(self, work: Work) -> float:
         """Seconds of the lease left, measured on the monotonic clock from before the claim."""
