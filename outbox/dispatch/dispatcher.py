@@ -13,7 +13,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -23,6 +22,8 @@ from outbox.base.logs import get_logger
 from outbox.clock import Clock, OffsetClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import failpoints, heartbeat
+from outbox.dispatch._attempt import AttemptSender
+from outbox.dispatch._claims import ClaimArgs, claim_and_begin, claim_probe, record_and_claim
 from outbox.dispatch.breaker import Breaker
 from outbox.dispatch.dbthread import (
     DatabaseUnresponsive,
@@ -33,30 +34,17 @@ from outbox.dispatch.dbthread import (
 from outbox.dispatch.outcomes import (
     DispatchSummary,
     Work,
-    attempt_outcome,
     default_dispatcher_id,
-    not_sent_outcome,
-    plan_claimed,
-    send_deadline_ms,
     transition_event,
 )
 from outbox.dispatch.unresolved import OnUnresolved, UnresolvedLookups
 from outbox.dispatch.wakeup import Wakeup, wait_any
 from outbox.errors import StoreError
-from outbox.model import ErrorClass, State
+from outbox.model import State
 from outbox.observe.hooks import NOTHING, Instrumentation
 from outbox.store.base import Store
-from outbox.store.records import (
-    AttemptOutcome,
-    Claimed,
-    ClaimResult,
-)
-from outbox.wire.transport import (
-    build_client,
-    request_headers,
-    send_attempt,
-    unbuilt_attempt,
-)
+from outbox.store.records import AttemptOutcome, ClaimResult
+from outbox.wire.transport import build_client
 
 logger = get_logger("outbox.dispatch")
 
@@ -69,18 +57,6 @@ __all__ = ["DispatchSummary", "Dispatcher", "OnUnresolved", "TransportFactory"]
 _CLOCK_SYNC_SECONDS = 30.0
 #: The longest wait between claims while the database refuses them.
 _MAX_STORE_BACKOFF_SECONDS = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class _ClaimArgs:
-    """One claim's arguments for the store and what its accounting needs after it."""
-
-    kwargs: dict[str, Any]
-    token: str
-    now: int
-    claim_ns: int
-    claimed_mono: float
-    refused: list[tuple[Claimed, str]]
 
 
 class Dispatcher:
@@ -102,7 +78,6 @@ class Dispatcher:
         self._observe = instrumentation or NOTHING
         # Header names whose values are credentials: redacted where a receiver echoes them.
         self._secret_headers = tuple(secret_headers)
-        self._lookups = UnresolvedLookups(self, on_unresolved)
         self.endpoints = dict(endpoints)
         self.clock = clock
         self.settings = settings
@@ -129,11 +104,23 @@ class Dispatcher:
         self._lease_ends: dict[int, float] = {}
         self._last_clock_sync = clock.monotonic()
         self._log = logger.bind(dispatcher_id=self.dispatcher_id)
+        self._lookups = UnresolvedLookups(
+            on_unresolved, client=self._client, run_db=self._run_db, log=self._log,
+            observe=self._observe, summary=self.summary,
+        )  # fmt: skip
         #: This dispatcher's part in the fleet's circuit breakers (outbox.dispatch.breaker).
         self.breaker = Breaker(
             store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
             now_ms=clock.now_ms, monotonic=clock.monotonic, run_db=self._run_db,
             lease_ms=int(self.lease_seconds * 1000), log=self._log,
+        )  # fmt: skip
+        self._sender = AttemptSender(
+            clock=clock, lease_margin_seconds=settings.lease_margin_seconds,
+            summary=self.summary, observe=self._observe, log=self._log, client=self._client,
+            secret_headers=self._secret_headers, outcomes=self._outcomes,
+            # Late-bound: looked up at each attempt (tests/soak/planted.py patches it).
+            lease_left=lambda work: self._lease_left(work),  # noqa: PLW0108
+            known_down=self.breaker.known_down, crashed=self._attempt_crashed,
         )  # fmt: skip
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
@@ -175,7 +162,7 @@ class Dispatcher:
     def _start(self, works: list[Work]) -> None:
         for work in works:
             self._inflight += 1
-            task = asyncio.create_task(self._attempt(work))
+            task = asyncio.create_task(self._sender.send(work))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -216,22 +203,10 @@ class Dispatcher:
         ``until_empty``, until nothing is due and nothing is in flight: retries scheduled
         for later stay pending). ``on_progress`` gets the summary after each claim."""
         stop = stop or asyncio.Event()
-        try:
-            await self._run_db(self.store.preflight)
-        except BaseException:
-            self._db.shutdown()
-            raise
-        watchdog = asyncio.create_task(
-            self._db.watch(stop, self.settings.stop_timeout_seconds)
-        )
+        await self._preflight()
+        watchdog = asyncio.create_task(self._db.watch(stop, self.settings.stop_timeout_seconds))
         writer = asyncio.create_task(self._write_outcomes())
-        if failpoints.armed():
-            self._log.warning("failpoints_armed", points=failpoints.armed(),
-                              detail="fault injection is on: this process may kill itself")
-        elif failpoints.ignored_spec():
-            self._log.warning("failpoints_ignored",
-                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
-                              "is not; no failpoint is armed")
+        self._warn_failpoints()
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
         # The writer claims with its outcome writes only while the loop runs on.
@@ -244,87 +219,12 @@ class Dispatcher:
             lease_seconds=self.lease_seconds,
             once=once,
         )
-        backoff = 0.0
         try:
-            while not stop.is_set():
-                free = self.settings.concurrency - self._inflight - self._claiming
-                if free < self._low_water:
-                    self._capacity.clear()
-                    self._parked = True
-                    try:
-                        await wait_any(self._capacity, stop, timeout=1.0)
-                    finally:
-                        self._parked = False
-                    continue
-                try:
-                    await self._maybe_sync_clock()
-                    await self.breaker.tick(self._claim_probe)
-                    self.wakeup.before_claim()
-                    got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
-                    if nothing and not once:
-                        self.wakeup.next_due(
-                            await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
-                        )
-                        self.wakeup.due_at(self.breaker.next_probe_ms())
-                except (StoreError, DBAPIError) as exc:
-                    # Locked, read-only or unreachable: nothing was claimed (or the claim's
-                    # lease will simply expire). Back off and try again; never crash.
-                    backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
-                    self._log.warning("store_unavailable", error=type(exc).__name__,
-                                      detail=str(exc)[:300], retry_in_seconds=backoff)
-                    if once:
-                        raise
-                    await wait_any(stop, timeout=backoff)
-                    continue
-                backoff = 0.0
-                self._start(got)
-                if on_progress is not None:
-                    on_progress(self.summary)
-                if once:
-                    break
-                if nothing:
-                    if until_empty:
-                        if self._inflight == 0:
-                            break  # nothing due, every outcome written
-                        # Outcomes still to come may make something due again.
-                        self._capacity.clear()
-                        await wait_any(self._capacity, stop, timeout=1.0)
-                        continue
-                    await self.wakeup.wait(stop)
+            await self._claim_loop(
+                stop, once=once, until_empty=until_empty, on_progress=on_progress
+            )
         finally:
-            await self.wakeup.close()
-            # Graceful stop: no new claims; requests on the wire finish (each bounded by
-            # its deadline) and their outcomes are written before we return. A claim the
-            # outcome writer has under way is committed: its work starts first.
-            await self._no_claim.wait()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._outcomes.put(None)
-            try:  # a writer that died re-raises here, after the cleanup below
-                await writer
-            finally:
-                await self._lookups.drain()
-                for client in self._clients.values():
-                    await client.aclose()
-                self._clients.clear()
-                if beats is not None:
-                    beats.cancel()
-                    await asyncio.gather(beats, return_exceptions=True)
-                    await heartbeat.stopped(self)
-                self._observe.dispatcher_stopped(self)
-                watchdog.cancel()
-                self._db.shutdown()
-                if self._db.gave_up:
-                    self._log.error(
-                        "dispatcher_stop_timed_out",
-                        stop_timeout_seconds=self.settings.stop_timeout_seconds,
-                        detail="the database did not answer; gave up. Leases held expire on "
-                        "their own and another dispatcher takes over; nothing is resent "
-                        "before that.",
-                        **self.summary.as_dict(),
-                    )
-                else:
-                    self._log.info("dispatcher_stopped", **self.summary.as_dict())
+            await self._shut_down(writer, beats, watchdog)
         if self._db.gave_up:
             raise DatabaseUnresponsive(
                 f"the database did not answer within {self.settings.stop_timeout_seconds}s "
@@ -332,39 +232,163 @@ class Dispatcher:
             )
         return self.summary
 
-    def _claim_args(self, limit: int) -> _ClaimArgs:
-        token = str(uuid.uuid4())
-        now = self.clock.now_ms()
-        refused: list[tuple[Claimed, str]] = []
-        return _ClaimArgs(
-            kwargs={
-                "owner": self.dispatcher_id,
-                "token": token,
-                "now_ms": now,
-                "lease_ms": int(self.lease_seconds * 1000),
-                "limit": limit,
-                "plan": lambda claimed: plan_claimed(
-                    claimed, endpoints=self.endpoints, dispatcher_id=self.dispatcher_id,
-                    token=token, now=now, refused=refused,
-                ),
-            },
-            token=token,
-            now=now,
+    async def _preflight(self) -> None:
+        """Check the schema before anything starts; on failure, stop the database thread."""
+        try:
+            await self._run_db(self.store.preflight)
+        except BaseException:
+            self._db.shutdown()
+            raise
+
+    def _warn_failpoints(self) -> None:
+        if failpoints.armed():
+            self._log.warning("failpoints_armed", points=failpoints.armed(),
+                              detail="fault injection is on: this process may kill itself")
+        elif failpoints.ignored_spec():
+            self._log.warning("failpoints_ignored",
+                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
+                              "is not; no failpoint is armed")
+
+    async def _claim_loop(
+        self,
+        stop: asyncio.Event,
+        *,
+        once: bool,
+        until_empty: bool,
+        on_progress: Callable[[DispatchSummary], None] | None,
+    ) -> None:
+        """Claim and start work while slots are free, until ``stop`` (or as ``once`` and
+        ``until_empty`` say); a database that refuses claims is waited out, never fatal."""
+        backoff = 0.0
+        while not stop.is_set():
+            free = self.settings.concurrency - self._inflight - self._claiming
+            if free < self._low_water:
+                await self._wait_for_slots(stop)
+                continue
+            try:
+                got, nothing = await self._claim_step(free, once=once)
+            except (StoreError, DBAPIError) as exc:
+                backoff = self._store_backoff(backoff, exc)
+                if once:
+                    raise
+                await wait_any(stop, timeout=backoff)
+                continue
+            backoff = 0.0
+            self._start(got)
+            if on_progress is not None:
+                on_progress(self.summary)
+            if once or (nothing and not await self._idle(stop, until_empty=until_empty)):
+                break
+
+    async def _wait_for_slots(self, stop: asyncio.Event) -> None:
+        """Park until outcomes free slots (the outcome writer may claim for us meanwhile)."""
+        self._capacity.clear()
+        self._parked = True
+        try:
+            await wait_any(self._capacity, stop, timeout=1.0)
+        finally:
+            self._parked = False
+
+    async def _claim_step(self, free: int, *, once: bool) -> tuple[list[Work], bool]:
+        """One claim (after the clock sync and the breakers' probes); when nothing was
+        due, tell the wake-up when the next operation or probe is."""
+        await self._maybe_sync_clock()
+        await self.breaker.tick(self._claim_probe)
+        self.wakeup.before_claim()
+        got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
+        if nothing and not once:
+            self.wakeup.next_due(
+                await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
+            )
+            self.wakeup.due_at(self.breaker.next_probe_ms())
+        return got, nothing
+
+    def _store_backoff(self, backoff: float, exc: Exception) -> float:
+        """Locked, read-only or unreachable: nothing was claimed (or the claim's lease
+        will simply expire). The next, longer wait before trying again; never crash."""
+        backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
+        self._log.warning("store_unavailable", error=type(exc).__name__,
+                          detail=str(exc)[:300], retry_in_seconds=backoff)
+        return backoff
+
+    async def _idle(self, stop: asyncio.Event, *, until_empty: bool) -> bool:
+        """Nothing was due: wait for a reason to claim again. False when the loop ends
+        (``until_empty``, and every outcome written)."""
+        if not until_empty:
+            await self.wakeup.wait(stop)
+            return True
+        if self._inflight == 0:
+            return False  # nothing due, every outcome written
+        # Outcomes still to come may make something due again.
+        self._capacity.clear()
+        await wait_any(self._capacity, stop, timeout=1.0)
+        return True
+
+    async def _shut_down(
+        self,
+        writer: asyncio.Task[None],
+        beats: asyncio.Task[None] | None,
+        watchdog: asyncio.Task[None],
+    ) -> None:
+        await self.wakeup.close()
+        # Graceful stop: no new claims; requests on the wire finish (each bounded by
+        # its deadline) and their outcomes are written before we return. A claim the
+        # outcome writer has under way is committed: its work starts first.
+        await self._no_claim.wait()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._outcomes.put(None)
+        try:  # a writer that died re-raises here, after the cleanup below
+            await writer
+        finally:
+            await self._lookups.drain()
+            for client in self._clients.values():
+                await client.aclose()
+            self._clients.clear()
+            if beats is not None:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
+                await heartbeat.stopped(self)
+            self._observe.dispatcher_stopped(self)
+            watchdog.cancel()
+            self._db.shutdown()
+            self._log_stopped()
+
+    def _log_stopped(self) -> None:
+        if self._db.gave_up:
+            self._log.error(
+                "dispatcher_stop_timed_out",
+                stop_timeout_seconds=self.settings.stop_timeout_seconds,
+                detail="the database did not answer; gave up. Leases held expire on "
+                "their own and another dispatcher takes over; nothing is resent "
+                "before that.",
+                **self.summary.as_dict(),
+            )
+        else:
+            self._log.info("dispatcher_stopped", **self.summary.as_dict())
+
+    def _claim_args(self, limit: int) -> ClaimArgs:
+        return ClaimArgs(
+            owner=self.dispatcher_id,
+            token=str(uuid.uuid4()),
+            now_ms=self.clock.now_ms(),
+            lease_ms=int(self.lease_seconds * 1000),
+            limit=limit,
+            endpoints=self.endpoints,
             claim_ns=time.time_ns(),
             claimed_mono=self.clock.monotonic(),
-            refused=refused,
         )
 
     async def _claim_and_start(self, limit: int) -> tuple[list[Work], bool]:
         # The work to start, and whether nothing was claimed. One transaction: the claim,
         # its decisions, the attempt rows; it commits before any request goes out.
         args = self._claim_args(limit)
-        result = await self._run_db(self.store.claim_and_begin, **args.kwargs)
+        result = await self._run_db(claim_and_begin, store=self.store, args=args)
         return await self._claimed(result, args), not result.claimed
 
-    async def _claimed(self, result: ClaimResult, args: _ClaimArgs) -> list[Work]:
+    async def _claimed(self, result: ClaimResult, args: ClaimArgs) -> list[Work]:
         """Account for a committed claim; the work to start (nothing is sent yet)."""
-        token, now, claimed_mono, refused = args.token, args.now, args.claimed_mono, args.refused
+        token, now, claimed_mono, refused = args.token, args.now_ms, args.claimed_mono, args.refused
         claimed = result.claimed
         self.wakeup.after_claim(len(claimed))
         if not claimed:
@@ -421,105 +445,18 @@ class Dispatcher:
     async def _claim_probe(self, endpoint: str) -> int:
         """Claim and start the half-open probe of ``endpoint`` (one due operation)."""
         args = self._claim_args(1)
-        kwargs = {k: v for k, v in args.kwargs.items() if k != "limit"}
         works = await self._claimed(
-            await self._run_db(self.store.claim_probe, endpoint=endpoint, **kwargs), args
+            await self._run_db(claim_probe, store=self.store, args=args, endpoint=endpoint), args
         )
         self.breaker.probes.update((w.claimed.pk, endpoint) for w in works)
         self._start(works)
         return len(works)
 
-    async def _attempt(self, work: Work) -> None:
-        c, endpoint, started = work.claimed, work.endpoint, work.started
-        log = self._log.bind(
-            operation_id=c.operation_id,
-            tenant=c.tenant,
-            endpoint=endpoint.name,
-            request_id=started.request_id,
-            attempt=started.number,
-        )
-        try:
-            await failpoints.hit("after_attempt_commit")
-            # Re-check the lease on the monotonic clock: a process that was paused (GC,
-            # SIGSTOP, a frozen VM) must not wake up and send on a lease it lost.
-            remaining = self._lease_left(work)
-            if remaining < endpoint.timeout + self.settings.lease_margin_seconds:
-                self.summary.lease_check_failed += 1
-                log.warning("lease_check_failed", remaining_seconds=round(remaining, 3))
-                await self._outcomes.put(
-                    not_sent_outcome(
-                        work,
-                        ErrorClass.LEASE_CHECK_FAILED,
-                        "not sent: too little of the lease was left for a full attempt",
-                        self.clock.now_ms(),
-                    )
-                )
-                return
-            deadline = send_deadline_ms(c, endpoint, started, self.clock.now_ms())
-            if self.clock.now_ms() > deadline:
-                # The window closed between the claim and now: never send after it. The
-                # next claim settles the operation as unresolved.
-                log.warning("window_closed_before_send")
-                await self._outcomes.put(
-                    not_sent_outcome(
-                        work,
-                        ErrorClass.WINDOW_CLOSED_BEFORE_SEND,
-                        "not sent: the retry window closed between the claim and the send",
-                        self.clock.now_ms(),
-                    )
-                )
-                return
-            try:  # anything raising before the first byte is written: not sent
-                headers = request_headers(
-                    endpoint,
-                    stored_headers=c.headers,
-                    operation_id=c.operation_id,
-                    request_id=started.request_id,
-                    tenant=c.tenant,
-                    has_body=c.body is not None or c.body_raw is not None,
-                )
-                body = c.body_bytes()
-            except Exception as exc:
-                log.warning("attempt_not_built", error=type(exc).__name__)
-                await self._outcomes.put(
-                    attempt_outcome(work, unbuilt_attempt(exc), self.clock.now_ms())
-                )
-                return
-            traced = self._observe.attempt_started(work.batch, c, endpoint, started, headers)
-            log.info("attempt_started")
-            self.summary.attempts += 1
-            result = await send_attempt(
-                self._client(endpoint),
-                endpoint,
-                method=c.method,
-                path=c.path,
-                headers=headers,
-                body=body,
-                now_ms=self.clock.now_ms,
-                public_headers=c.headers,
-                secret_headers=self._secret_headers,
-            )
-            self._observe.attempt_sent(traced, result)
-            log.info(
-                "attempt_finished",
-                status=result.status_code,
-                delivery=result.classification.delivery,
-                verdict=result.classification.verdict,
-                error=result.error_class,
-                duration_ms=result.duration_ms,
-            )
-            await failpoints.hit("after_response")
-            down = self.breaker.known_down(endpoint.name, c.pk)
-            await self._outcomes.put(
-                attempt_outcome(work, result, self.clock.now_ms(), known_down=down)
-            )
-        except Exception as exc:
-            # A bug or a failpoint: leave the attempt open. The lease expires and the
-            # next claim records it as unknown; nothing is lost or resent early.
-            log.exception("attempt_crashed", error=type(exc).__name__)
-            self._names.pop(c.pk, None)
-            self._lease_ends.pop(c.pk, None)
-            self._release_slot(1)
+    def _attempt_crashed(self, pk: int) -> None:
+        """An attempt raised before its outcome was queued: forget it, free its slot."""
+        self._names.pop(pk, None)
+        self._lease_ends.pop(pk, None)
+        self._release_slot(1)
 
     def _lease_left(self, work: Work) -> float:
         """Seconds of the lease left, measured on the monotonic clock from before the claim."""
@@ -562,7 +499,7 @@ class Dispatcher:
                 if claim is not None:
                     await self._start_carried(*claim)
 
-    async def _start_carried(self, reserved: int, result: ClaimResult, args: _ClaimArgs) -> None:
+    async def _start_carried(self, reserved: int, result: ClaimResult, args: ClaimArgs) -> None:
         """Start the work of a claim the writer made; give its reserved slots back. If
         that fails (a bug, a failpoint), its attempt rows stay open until its leases
         expire, and the next claim records them as unknown."""
@@ -597,7 +534,7 @@ class Dispatcher:
 
     async def _record_outcomes(
         self, batch: list[AttemptOutcome]
-    ) -> tuple[set[int], tuple[int, ClaimResult, _ClaimArgs] | None]:
+    ) -> tuple[set[int], tuple[int, ClaimResult, ClaimArgs] | None]:
         """Write a batch of outcomes, with the next claim when the loop waits for their
         slots (one transaction). Alone, or if that transaction fails: retry a transient
         database failure while a lease of the batch still holds (see
@@ -609,7 +546,7 @@ class Dispatcher:
             self.wakeup.before_claim()
             try:
                 written, result = await self._run_db(
-                    self.store.record_and_claim, outcomes=batch, **args.kwargs
+                    record_and_claim, store=self.store, args=args, outcomes=batch
                 )
                 return written, (limit, result, args)
             except Exception as exc:

@@ -10,30 +10,51 @@ operator code.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
+from outbox.base.logs import OutboxLogger
 from outbox.config import Endpoint
+from outbox.dispatch.outcomes import DispatchSummary
 from outbox.model import Reason, State
 from outbox.store.records import AttemptOutcome
 from outbox.wire.lookup import lookup_status
 
 if TYPE_CHECKING:
+    from outbox.observe.hooks import Instrumentation
     from outbox.reconcile.probe import ProbeOutcome
+
 
 #: Settles an operation that just became unresolved from its status lookup's answer,
 #: on the dispatcher's database thread: ``(operation_id=, tenant=, result=)``.
 OnUnresolved = Callable[..., "ProbeOutcome | None"]
+#: Runs ``fn(**kwargs)`` on the dispatcher's database thread.
+RunDb = Callable[..., Awaitable[Any]]
 
 
 class UnresolvedLookups:
     """The lookups one dispatcher has started; :meth:`drain` waits for them at stop."""
 
-    def __init__(self, dispatcher: Any, on_unresolved: OnUnresolved | None) -> None:
-        # The dispatcher that owns these lookups (its client, database thread, log,
-        # instrumentation and summary); typed loosely, as this module sits below it.
-        self._dispatcher = dispatcher
+    def __init__(
+        self,
+        on_unresolved: OnUnresolved | None,
+        *,
+        client: Callable[[Endpoint], httpx.AsyncClient],
+        run_db: RunDb,
+        log: OutboxLogger,
+        observe: Instrumentation,
+        summary: DispatchSummary,
+    ) -> None:
+        # What the owning dispatcher lends: its HTTP client per endpoint, its database
+        # thread, its log, its instrumentation and the summary a settled lookup counts in.
         self._on_unresolved = on_unresolved
+        self._client = client
+        self._run_db = run_db
+        self._log = log
+        self._observe = observe
+        self._summary = summary
         self._tasks: set[asyncio.Task[None]] = set()
 
     def maybe(self, out: AttemptOutcome, endpoint: Endpoint | None, names: dict[str, Any]) -> None:
@@ -60,18 +81,17 @@ class UnresolvedLookups:
     async def _look_up(
         self, settle: OnUnresolved, endpoint: Endpoint, operation_id: str, tenant: str
     ) -> None:
-        d = self._dispatcher
-        log = d._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
+        log = self._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
         try:
-            result = await lookup_status(d._client(endpoint), endpoint, operation_id, tenant)
-            outcome = await d._run_db(
+            result = await lookup_status(self._client(endpoint), endpoint, operation_id, tenant)
+            outcome = await self._run_db(
                 settle, operation_id=operation_id, tenant=tenant, result=result
             )
         except Exception:
             log.exception("status_lookup_failed")
             return
-        d._observe.status_lookup(endpoint.name, result.status.value)
+        self._observe.status_lookup(endpoint.name, result.status.value)
         log.info("status_lookup", answer=result.status.value,
                  action=outcome.action.value if outcome else "none")  # fmt: skip
         if outcome is not None and outcome.state is State.SUCCEEDED:
-            d.summary.succeeded += 1
+            self._summary.succeeded += 1

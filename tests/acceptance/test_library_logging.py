@@ -138,8 +138,13 @@ def test_configured_logging_receives_the_events_with_their_fields(
     # INFO: no DEBUG events (operations_claimed is DEBUG).
     assert "operations_claimed" not in events
     assert all(r["logger"] == "outbox.dispatch" for r in records)
-    # The record points at the line that logged, not at the logging plumbing.
-    assert all(r["file"] == "dispatcher.py" for r in records)
+    # The record points at the line that logged, not at the logging plumbing: the send
+    # path of one attempt logs from dispatch/_attempt.py, the rest from dispatcher.py.
+    sent_here = {"attempt_started", "attempt_finished"}
+    assert all(
+        r["file"] == ("_attempt.py" if r["fields"]["event"] in sent_here else "dispatcher.py")
+        for r in records
+    ), sorted({(r["fields"]["event"], r["file"]) for r in records})
     finished = [r for r in records if r["fields"]["event"] == "attempt_finished"]
     dropped = [r for r in finished if r["fields"]["operation_id"] == "quiet-dropped"]
     assert [r["fields"]["delivery"] for r in dropped] == ["unknown", "sent"]
