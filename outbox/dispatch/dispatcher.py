@@ -44,6 +44,7 @@ from outbox.errors import StoreError
 from outbox.model import ErrorClass, State
 from outbox.observe.hooks import NOTHING, Instrumentation
 from outbox.store.base import Store
+from outbox.store.evidence import outcomes_applied
 from outbox.store.records import (
     AttemptOutcome,
     Claimed,
@@ -595,7 +596,27 @@ class Dispatcher:
                     else self._log.exception
                 log("outcome_claim_failed", error=type(exc).__name__, detail=error_detail(exc))
             self._reserve(-limit)
+            return await self._write_outcomes_after_failure(batch), None
         return await self._write_outcomes_alone(batch), None
+
+    async def _write_outcomes_after_failure(self, batch: list[AttemptOutcome]) -> set[int]:
+        """Write the outcomes alone after their transaction with a claim failed; those
+        the write finds fenced may be the failed COMMIT's, applied after all: the
+        attempt rows say (``outbox.store.evidence``), so the log matches the database."""
+        written = await self._write_outcomes_alone(batch)
+        missing = [out for out in batch if out.pk not in written]
+        if not missing:
+            return written
+        try:
+            applied = await self._run_db(outcomes_applied, store=self.store, outcomes=missing)
+        except Exception as exc:
+            self._log.warning("outcome_evidence_unreadable", error=type(exc).__name__,
+                              detail=error_detail(exc), count=len(missing))  # fmt: skip
+            return written
+        if applied:
+            self._log.info("outcome_commit_applied", count=len(applied),
+                           detail="the failed COMMIT had written these outcomes")  # fmt: skip
+        return written | applied
 
     async def _write_outcomes_alone(self, batch: list[AttemptOutcome]) -> set[int]:
         def lease_left() -> float:
