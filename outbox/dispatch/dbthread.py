@@ -19,11 +19,16 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from outbox.errors import StoreError
+from outbox.store.evidence import outcomes_applied
+
+if TYPE_CHECKING:
+    from outbox.store.base import Store
+    from outbox.store.records import AttemptOutcome
 
 T = TypeVar("T")
 
@@ -163,3 +168,23 @@ async def write_while_leased(
                         lease_left_seconds=round(left, 3))  # fmt: skip
             await asyncio.sleep(delay)
             delay = min(delay * 2, _OUTCOME_RETRY_MAX_SECONDS)
+
+
+async def applied_after_all(
+    missing: list[AttemptOutcome], *, run_db: Any, store: Store, log: Any
+) -> set[int]:
+    """Of outcomes a lone write found fenced after their outcome+claim transaction
+    failed, those the failed COMMIT had written after all: the attempt rows say
+    (``outbox.store.evidence``), so the log and the summary match the database."""
+    if not missing:
+        return set()
+    try:
+        applied: set[int] = await run_db(outcomes_applied, store=store, outcomes=missing)
+    except Exception as exc:
+        log.warning("outcome_evidence_unreadable", error=type(exc).__name__,
+                    detail=error_detail(exc), count=len(missing))  # fmt: skip
+        return set()
+    if applied:
+        log.info("outcome_commit_applied", count=len(applied),
+                 detail="the failed COMMIT had written these outcomes")  # fmt: skip
+    return applied

@@ -28,6 +28,7 @@ from outbox.dispatch.breaker import Breaker
 from outbox.dispatch.dbthread import (
     DatabaseUnresponsive,
     DbThread,
+    applied_after_all,
     error_detail,
     write_while_leased,
 )
@@ -556,7 +557,17 @@ class Dispatcher:
                     else self._log.exception
                 log("outcome_claim_failed", error=type(exc).__name__, detail=error_detail(exc))
             self._reserve(-limit)
+            return await self._write_outcomes_after_failure(batch), None
         return await self._write_outcomes_alone(batch), None
+
+    async def _write_outcomes_after_failure(self, batch: list[AttemptOutcome]) -> set[int]:
+        """Write the outcomes alone after their transaction with a claim failed; those
+        found fenced may be the failed COMMIT's, applied after all (``dbthread``)."""
+        written = await self._write_outcomes_alone(batch)
+        return written | await applied_after_all(
+            [out for out in batch if out.pk not in written],
+            run_db=self._run_db, store=self.store, log=self._log,
+        )  # fmt: skip
 
     async def _write_outcomes_alone(self, batch: list[AttemptOutcome]) -> set[int]:
         def lease_left() -> float:

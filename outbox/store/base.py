@@ -104,6 +104,12 @@ class Store(OperatorQueries, EndpointQueries):
         """What became of the transaction the enqueue INSERT named."""
         return TxStatus.UNKNOWN
 
+    def seal_failed_commit(self) -> bool:
+        """After a failed COMMIT of our own with no transaction marker: make what is
+        stored now all that will ever be stored of it, and say so (True). Here nothing
+        can: only a dialect that knows how overrides it (SQLite)."""
+        return False
+
     # -- enqueue ------------------------------------------------------------------
 
     def _insert_ignoring_duplicate(self) -> Any:

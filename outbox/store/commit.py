@@ -10,8 +10,13 @@ So when COMMIT itself fails, reconnect and establish the outcome:
 * PostgreSQL: the transaction's ID, read before COMMIT, is looked up with
   ``pg_xact_status``: ``committed`` or ``aborted`` is the database's own word. While it
   is ``in progress`` (the server has not yet noticed the lost client), ask again.
-* SQLite: a local file and a closed connection; once the failed connection is gone its
-  transaction cannot commit later, so a row that is absent is provably not stored.
+* SQLite: a local file and a closed connection, but absent is not yet proof. A COMMIT
+  whose write-ahead-log fsync failed has written its frames; SQLite does not count them,
+  yet a recovery of the log (the next open after every process crashed) accepts them,
+  and the operation is pending. So a write transaction of our own is committed first
+  (``Store.seal_failed_commit``): once it has, no recovery can accept those frames, and
+  what is there is final. While it cannot commit (the disk still fails), the outcome is
+  unknown.
 * In both, the rows are then looked up by (tenant, operation ID) and arguments hash.
 
 Found: the operations are returned as stored. Provably absent: ``NotStoredError``. Not
@@ -197,24 +202,29 @@ def resolve_commit(
     deadline = time.monotonic() + COMMIT_CHECK_SECONDS
     delay = 0.05
     last: str = "no answer yet"
+    sealed = False
     while True:
         try:
             status = store.commit_status(marker) if marker is not None else TxStatus.UNKNOWN
+            # SQLite: the failed connection is closed; once a later write transaction
+            # has committed, what is there is final (see the module docstring).
+            sealed = sealed or (marker is None and store.seal_failed_commit())
             found = _find(store, created)
-        except DBAPIError as exc:
-            last = f"{type(exc.orig or exc).__name__}: {str(exc.orig or exc).strip()[:200]}"
+        except (DBAPIError, StoreError) as exc:
+            cause = getattr(exc, "orig", None) or exc
+            last = f"{type(cause).__name__}: {str(cause).strip()[:200]}"
+            if marker is None and not sealed:
+                last = f"no later write transaction could commit over its log frames ({last})"
         else:
             everything = found == len(created)
             if status is TxStatus.COMMITTED and everything:
                 return True
             if status is TxStatus.ABORTED and found == 0:
                 return False
-            if marker is None:
-                # SQLite: the failed connection is closed, so what is there is final.
-                if everything:
-                    return True
-                if found == 0:
-                    return False
+            if marker is None and everything:
+                return True
+            if sealed and found == 0:
+                return False
             last = f"transaction {status.value}, {found} of {len(created)} operation(s) found"
             if status is TxStatus.COMMITTED and not everything:
                 break  # committed yet rows missing or different: do not guess

@@ -7,7 +7,6 @@ import re
 import sqlite3
 import stat
 import weakref
-from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from sqlalchemy.engine import URL, make_url
 from outbox.errors import ConfigurationError, SchemaError, StoreError
 from outbox.store.busy import begin_write
 from outbox.store.liveness import ping_when_idle
-from outbox.store.revisions import VERSION_TABLE, check_known
+from outbox.store.sqlitefile import check_sqlite_file
 from outbox.store.tables import attach_postgresql_options
 from outbox.store.writelock import track
 
@@ -289,9 +288,6 @@ def _set_statement_timeout(engine: Engine, ms: int) -> None:
             dbapi_connection.autocommit = autocommit
 
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
 def _sqlite_uri(url: URL) -> URL:
     """``sqlite:///x.db?mode=ro`` as the URI form SQLite obeys.
 
@@ -304,48 +300,6 @@ def _sqlite_uri(url: URL) -> URL:
     if not database.startswith("file:"):
         database = f"file:{database}"
     return url.set(database=database).update_query_dict({"uri": "true"})
-
-
-def check_sqlite_file(path: Path, *, must_exist: bool = False) -> None:
-    """Refuse, before SQLite opens (and converts) it, what is not an outbox database
-    file: a directory, a file that is not SQLite, a truncated one, or one migrated by
-    a newer outbox. A missing or empty file is a new database (unless ``must_exist``)."""
-    if path.is_dir():
-        raise StoreError(f"{path} is a directory, not a database file")
-    if not path.exists():
-        if must_exist:
-            raise StoreError(f"{path} does not exist (opened read-only: nothing was created)")
-        return
-    size = path.stat().st_size
-    if size == 0:
-        return
-    with path.open("rb") as f:
-        header = f.read(100)
-    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
-        raise StoreError(f"{path} is not a SQLite database (nothing was changed)")
-    page_size = int.from_bytes(header[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    pages = int.from_bytes(header[28:32], "big")
-    header_valid = header[24:28] == header[92:96]
-    if page_size < 512 or size % page_size or (header_valid and size < pages * page_size):
-        raise StoreError(
-            f"{path} is truncated or damaged: {size} bytes, expected "
-            f"{pages * page_size if header_valid else 'a whole number of'} pages of "
-            f"{page_size} (nothing was changed)"
-        )
-    try:
-        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as raw:
-            found = raw.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (VERSION_TABLE,)
-            ).fetchone()
-            revision = (
-                raw.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone()
-                if found
-                else None
-            )
-    except sqlite3.Error as exc:
-        raise StoreError(f"cannot read {path}: {exc} (nothing was changed)") from exc
-    check_known(revision[0] if revision else None, str(path))
 
 
 def configure_sqlite(engine: Engine, *, read_only: bool = False) -> None:

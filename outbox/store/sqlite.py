@@ -159,6 +159,21 @@ class SqliteStore(Store):
             finally:
                 cursor.close()
 
+    def seal_failed_commit(self) -> bool:
+        """Commit one write transaction after a failed COMMIT (``outbox.store.commit``).
+
+        A COMMIT whose WAL fsync failed has written its frames after the log's last
+        committed one; the WAL index does not count them, but a recovery of the log (the
+        next open after every process crashed, or a damaged index) would accept them.
+        A later transaction that commits writes its own frames from that same place (or
+        restarts the log with new salts), so the failed frames' checksum chain is
+        broken and no recovery accepts them any more. This one rewrites the header's
+        ``user_version`` with its own value: one page written, nothing changed."""
+        with self.engine.begin() as conn:
+            version = int(conn.exec_driver_sql("PRAGMA user_version").scalar() or 0)
+            conn.exec_driver_sql(f"PRAGMA user_version = {version}")
+        return True
+
     def quick_check(self) -> str:
         with self.read() as conn:
             result = conn.exec_driver_sql("PRAGMA quick_check").scalar()

@@ -42,6 +42,8 @@ class _Conn:
         self.client = client
         self.server = server
         self.closed = threading.Event()
+        #: This transaction sent the COMMIT trigger's statement (``arm_commit(after=)``).
+        self.saw_trigger = False
 
     def close(self) -> None:
         self.closed.set()
@@ -62,6 +64,7 @@ class PgProxy:
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
         self._commit_action: str | None = None
+        self._commit_after: bytes | None = None
         self._isolate = False
         self._marker: bytes | None = None
         self._marker_every = False
@@ -88,13 +91,17 @@ class PgProxy:
 
     # -- controls -------------------------------------------------------------------
 
-    def arm_commit(self, action: str, *, then_isolate: bool = False) -> None:
-        """Act on the next COMMIT; with ``then_isolate``, also cut every other connection
+    def arm_commit(
+        self, action: str, *, then_isolate: bool = False, after: bytes | None = None
+    ) -> None:
+        """Act on the next COMMIT (with ``after``: of a transaction that sent a message
+        containing those bytes); with ``then_isolate``, also cut every other connection
         and refuse new ones from that moment on (the database becomes unreachable)."""
         assert action in ("forward", "drop")
         self.commit_done.clear()
         with self._lock:
             self._commit_action = action
+            self._commit_after = after
             self._isolate = then_isolate
 
     def cut_on(self, marker: bytes, *, every: bool = False) -> None:
@@ -184,10 +191,15 @@ class PgProxy:
                     else:
                         marker = None
                     is_commit = kind == b"Q" and raw[5:].rstrip(b"\0").strip().upper() == b"COMMIT"
-                    if is_commit and action is not None:
+                    after = self._commit_after
+                    if after is not None and after in raw:
+                        conn.saw_trigger = True
+                    if is_commit and action is not None and (after is None or conn.saw_trigger):
                         self._commit_action = None
                     else:
                         action = None
+                    if is_commit:
+                        conn.saw_trigger = False
                 if marker is not None:
                     self.cut_done.set()  # before the cut: the client may react at once
                     conn.close()

@@ -129,3 +129,41 @@ def test_sqlite_locked_past_the_busy_timeout_during_the_outcome_write_is_retried
         assert "locked" in retry["detail"]
         assert _events(logs, "outcome_write_failed") == []
         _assert_one_attempt_recorded(ob, receiver, "lite-outcome")
+
+
+@pytest.mark.postgres
+def test_outcomes_whose_lost_commit_applied_are_logged_as_applied(
+    pg_url: str, receiver: Receiver
+) -> None:
+    """The COMMIT of the transaction that writes an outcome and carries the next claim
+    reaches PostgreSQL, which applies it, but its answer is lost. The outcome written
+    alone afterwards finds the lease released; the log and the summary still say what
+    the database holds: succeeded, not fenced."""
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    endpoint = Endpoint(name="receiver", base_url=receiver.url, timeout=2.0,
+                        retry=RetryPolicy(window=timedelta(minutes=5), wait=wait_fixed(0.1)),
+                        key_retention=timedelta(hours=1))  # fmt: skip
+    settings = DispatcherSettings(lease_seconds=15.0, idle_poll_seconds=0.05, concurrency=1,
+                                  batch_size=1)  # fmt: skip
+    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
+        proxy.url, endpoints=[endpoint], dispatcher=settings
+    ) as ob:
+        for n in (1, 2):
+            ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": n},
+                       operation_id=f"lost-commit-{n}")  # fmt: skip
+        with Hold("after_response") as hold:
+            running = _Running(ob)
+            assert hold.reached.wait(30)
+            # The outcome write's COMMIT (it carries the claim), not a heartbeat's.
+            proxy.arm_commit("forward", after=b"UPDATE outbox_attempts SET finished_at")
+            hold.release.set()
+            assert proxy.commit_done.wait(30)
+            until(lambda: all(ob.get(f"lost-commit-{n}").state.is_settled for n in (1, 2)),
+                  60, "both outcomes")  # fmt: skip
+        summary = running.join()
+    assert _events(logs, "outcome_claim_failed"), "the COMMIT was not the combined one"
+    assert _events(logs, "outcome_commit_applied")
+    assert _events(logs, "write_fenced") == []
+    assert summary.fenced == 0 and summary.succeeded == 2

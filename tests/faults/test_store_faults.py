@@ -269,7 +269,7 @@ def test_database_refusing_writes_after_the_claim_sends_nothing(
 
     @event.listens_for(ob.engine, "after_cursor_execute")
     def _claimed(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if armed.is_set() and "ix_outbox_operations_due" in statement:
+        if armed.is_set() and "ix_outbox_operations_fair" in statement:
             claims_seen.append(statement)
             read_only.set()  # the claim ran; every statement after it is refused
 
@@ -326,7 +326,7 @@ def test_outcomes_written_alone_when_the_claim_they_carry_is_refused(
         if statement.startswith("UPDATE outbox_attempts SET finished_at"):
             wrote_outcome.seen = True
         elif (getattr(wrote_outcome, "seen", False) and refusals[0]
-              and "ix_outbox_operations_due" in statement):  # fmt: skip
+              and "ix_outbox_operations_fair" in statement):  # fmt: skip
             refusals[0] -= 1
             refused.append(statement)
             cursor.execute("PRAGMA query_only = ON")
