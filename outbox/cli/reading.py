@@ -118,7 +118,7 @@ def status(
     )
     circuits = _circuits(obj, report.problems)
     if as_json:
-        _emit_json({**report.as_dict(), "ok": not report.problems, "endpoints": circuits})
+        _emit_json({**report.as_dict(), "ok": not report.problems, "endpoint_states": circuits})
     else:
         from rich.table import Table
 

@@ -101,8 +101,9 @@ class Figures:
     #: started in that minute (outcomes: success, retry, failed, other). They add up to
     #: ``attempts_last_hour``.
     attempts_per_minute: list[dict[str, int]] = field(default_factory=list)
-    #: Endpoint -> circuit-breaker state ("closed", "open", "half_open"), filled by the
-    #: circuit-breaker work from its own table; empty until then. Views render it as is.
+    #: Endpoint -> its fleet state: the circuit breaker's ("closed", "open",
+    #: "half_open") or "paused" by an operator (``outbox_endpoints``). Every registered
+    #: endpoint is named ("closed" until the fleet ever saw it fail).
     circuits: dict[str, str] = field(default_factory=dict)
 
     def _sum(self, name: str) -> int:
@@ -211,7 +212,15 @@ def figures(
         attempts_by_outcome=monitoring.attempts_by_outcome(outbox.store, since_ms=hour_ago),
         attempts_per_minute=_per_minute(monitoring.attempts_per_minute(outbox.store,
                                                                        since_ms=hour_ago)),
+        circuits=_circuits(outbox),
     )  # fmt: skip
+
+
+def _circuits(outbox: OutboxParts) -> dict[str, str]:
+    circuits = dict.fromkeys(outbox.endpoints, "closed")
+    for s in outbox.store.endpoint_states():
+        circuits[s.name] = "paused" if s.paused else str(s.circuit)
+    return dict(sorted(circuits.items()))
 
 
 #: Chart outcome of each attempt verdict.

@@ -20,7 +20,7 @@ GUIDE = ROOT / "docs" / "guide" / "owning-both-sides.md"
 
 def _blocks() -> dict[str, str]:
     found = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
-    return {re.match(r"# (\S+):", b).group(1): b for b in found}  # type: ignore[union-attr]
+    return {re.search(r"^# (\S+\.py):", b, re.M).group(1): b for b in found}  # type: ignore[union-attr]
 
 
 def test_the_guide_pair_runs_as_pasted(tmp_path: Path) -> None:
