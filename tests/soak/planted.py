@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, insert, update
 
-import outbox.dispatch.dispatcher
+import outbox.dispatch._attempt
 from outbox.config import Endpoint
 from outbox.dispatch.dispatcher import Dispatcher
 from outbox.store.base import Store
@@ -44,7 +44,7 @@ def _key_per_attempt(set_: Setter) -> None:
         headers[endpoint.idempotency_header] = kwargs["request_id"]
         return headers
 
-    set_(outbox.dispatch.dispatcher, "request_headers", planted)
+    set_(outbox.dispatch._attempt, "request_headers", planted)
 
 
 def _send_before_commit(set_: Setter) -> None:
