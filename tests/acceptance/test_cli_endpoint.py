@@ -29,7 +29,7 @@ def test_pause_and_resume_are_audited_and_shown_by_status(db_url: str) -> None:
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
     [row] = data["endpoint_states"]
-    assert data["circuits"] == {"api": "paused"}  # the figure every view renders
+    assert data["figures"]["circuits"] == {"api": "paused"}  # the figure every view renders
     assert (row["endpoint"], row["paused"], row["circuit"]) == ("api", True, "closed")
     assert "alice" in row["reason"]
     resumed = run(["endpoint", "resume", "api", "--note", "deploy done", "--operator", "bob", *db])

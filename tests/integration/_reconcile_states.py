@@ -375,4 +375,5 @@ STATUS_KEYS = {
     "due",
     "unsendable",
     "attempts_last_hour_by_outcome",
+    "endpoint_states",  # each endpoint's circuit and pause, in detail (store.endpoints)
 }
