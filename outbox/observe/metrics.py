@@ -137,7 +137,8 @@ class _Backlog(Collector):
         yield unresolved
         circuit = GaugeMetricFamily(
             "outbox_endpoint_circuit_state",
-            "The endpoint's circuit, fleet-wide: 0 closed, 1 half open, 2 open, 3 paused.",
+            "The endpoint's circuit, fleet-wide (a state code: 0 closed, 1 half open, 2 open, "
+            "3 paused).",
             labels=["endpoint"],
         )
         for name, value in sorted(self._circuits.items()) if snap else ():

@@ -51,5 +51,9 @@ def test_help_text_names_the_unit(tmp_path: Path) -> None:
     assert len(outbox) >= 15
     for family in outbox:
         words = family.documentation
-        unit = "Seconds" if family.name.endswith("_seconds") else "(a count)"
+        unit = (
+            "Seconds" if family.name.endswith("_seconds")
+            else "(a state code" if family.name.endswith("_state")
+            else "(a count)"
+        )  # fmt: skip
         assert unit in words, f"{family.name}: {words!r}"
