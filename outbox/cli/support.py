@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from outbox.client import Outbox
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STORE, EXIT_BUG = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
@@ -232,32 +233,30 @@ def _called(target: Any, spec: str, flag: str, attr: str, kind: type) -> Any:
     return target
 
 
+def _load(spec: str, flag: str, example: str, kind: type[T], kind_name: str) -> T:
+    """``module:attr`` naming a ``kind``, or a callable returning one."""
+    target, attr = _attribute(spec, flag, example)
+    target = _called(target, spec, flag, attr, kind)
+    if not isinstance(target, kind):
+        raise AppError(
+            f"{flag} {spec}: {attr} is a {type(target).__name__}, not an {kind_name} "
+            "(or a function returning one)"
+        )
+    return target
+
+
 def load_app(app: str) -> Outbox:
     """``module:attr`` naming an Outbox, or a callable returning one."""
     from outbox.client import Outbox
 
-    target, attr = _attribute(app, "--app", "myapp.jobs:outbox")
-    target = _called(target, app, "--app", attr, Outbox)
-    if not isinstance(target, Outbox):
-        raise AppError(
-            f"--app {app}: {attr} is a {type(target).__name__}, not an outbox.Outbox "
-            "(or a function returning one)"
-        )
-    return target
+    return _load(app, "--app", "myapp.jobs:outbox", Outbox, "outbox.Outbox")
 
 
 def load_keys(spec: str) -> KeyRing:
     """``module:attr`` naming an outbox.base.keys.KeyRing, or a callable returning one."""
     from outbox.base.keys import KeyRing
 
-    target, attr = _attribute(spec, "--keys", "myapp.secrets:keys")
-    target = _called(target, spec, "--keys", attr, KeyRing)
-    if not isinstance(target, KeyRing):
-        raise AppError(
-            f"--keys {spec}: {attr} is a {type(target).__name__}, not an outbox.base.keys.KeyRing "
-            "(or a function returning one)"
-        )
-    return target
+    return _load(spec, "--keys", "myapp.secrets:keys", KeyRing, "outbox.base.keys.KeyRing")
 
 
 # -- options that work before or after the command ------------------------------------
