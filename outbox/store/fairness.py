@@ -93,11 +93,15 @@ def fair_claim_sql(dialect: str) -> str:
         "LIMIT (SELECT k FROM share)"
     )
     if pg:
+        # The candidates are locked as they are read (SKIP LOCKED in the lookup): a
+        # claim running at the same time as another takes the tenant's next rows, not
+        # the same candidates, all skipped by the final lock, and an empty batch while
+        # work is due. The few candidates not dealt stay locked until the claim commits.
         candidates = (
             f"SELECT ring.pos, c.id, c.tenant, c.endpoint, c.priority, c.next_attempt_at, "
             f"c.cap, c.room FROM live AS ring CROSS JOIN LATERAL (SELECT o.id, o.tenant, "
             f"o.endpoint, o.priority, o.next_attempt_at, {cap} AS cap, {room} AS room "
-            f"{rows_of_tenant}) AS c"
+            f"{rows_of_tenant} FOR UPDATE OF o SKIP LOCKED) AS c"
         )
     else:
         candidates = (

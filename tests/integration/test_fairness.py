@@ -366,6 +366,32 @@ def test_show_displays_priority_and_not_before(make_ob: MakeOutbox, db_url: str)
 # -- the claim stays on its indexes ------------------------------------------------------
 
 
+def test_concurrent_claims_on_postgresql_take_disjoint_rows_not_none(
+    make_ob: MakeOutbox, db_url: str
+) -> None:
+    # Two dispatchers claim at once (one claim's transaction is held open here): the
+    # second must take the next rows, not skip the first's locked candidates and come
+    # back empty while work is due (it would then sleep until its next wake-up).
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite claims under its single write lock")
+    ob = make_ob()
+    ob.enqueue_many([_intent(f"a-{i}", "A") for i in range(12)])
+    _clock(ob).advance(0.001)
+    held = ob.engine.connect()
+    try:
+        with held.begin():
+            first, _ = ob.store._claim_on(  # the first claim, not yet committed
+                held, owner="one", token="t1", now_ms=ob.clock.now_ms(), lease_ms=60_000,
+                limit=5,
+            )  # fmt: skip
+            second = _claim(ob, 5, "t2")
+            mine = [c.operation_id for c in first]
+            assert len(mine) == 5 and len(second) == 5
+            assert not set(mine) & set(second)
+    finally:
+        held.close()
+
+
 def test_the_claim_plan_uses_only_indexes_on_sqlite(make_ob: MakeOutbox, db_url: str) -> None:
     if not db_url.startswith("sqlite"):
         pytest.skip("SQLite's plan; PostgreSQL's is the next test")
