@@ -10,24 +10,12 @@ import click
 
 from outbox.cli.root import json_option, main, out
 from outbox.cli.support import Context, command
-from outbox.model import ms_to_iso
+from outbox.reconcile.status import endpoint_state_dict as _row
 
 
 @main.group()
 def endpoint() -> None:
     """See and pause the receiver endpoints (circuit breaker state, maintenance)."""
-
-
-def _row(s: object) -> dict[str, object]:
-    from outbox.store.endpoints import EndpointState
-
-    assert isinstance(s, EndpointState)
-    return {
-        "endpoint": s.name, "circuit": s.circuit.value, "paused": s.paused,
-        "reason": s.reason, "since": ms_to_iso(s.since), "probes": s.probes,
-        "next_probe_at": ms_to_iso(s.next_probe_at) if s.next_probe_at else None,
-        "probe_owner": s.probe_owner,
-    }  # fmt: skip
 
 
 @command(endpoint, "list", reads=True)

@@ -116,9 +116,8 @@ def status(
         max_unsendable=0 if check else None,
         settled=not check if settled is None else settled,
     )
-    circuits = _circuits(obj, report.problems)
     if as_json:
-        _emit_json({**report.as_dict(), "ok": not report.problems, "endpoint_states": circuits})
+        _emit_json(report.as_dict())
     else:
         from rich.table import Table
 
@@ -141,7 +140,7 @@ def status(
         out.print(key_expiry_line(report.figures))
         if report.watch is not None:
             _render_watch(report.watch)
-        for c in circuits:
+        for c in report.as_dict()["endpoint_states"]:
             state = "paused" if c["paused"] else c["circuit"]
             why = c["reason"] or "-"
             out.print(f"endpoint {c['endpoint']}: {state} since {c['since']} ({why})")
@@ -161,18 +160,6 @@ def key_expiry_line(fig: Figures) -> str:
     if fig.key_retention_unknown:
         line += f"; key retention unknown: {fig.key_retention_unknown}"
     return line
-
-
-def _circuits(obj: Context, problems: list[str]) -> list[dict[str, object]]:
-    """Each endpoint's fleet state (circuit, pause); an open circuit is a problem."""
-    from outbox.cli.endpoints import _row
-
-    rows = [_row(s) for s in obj.outbox().store.endpoint_states()]
-    for r in rows:
-        if r["circuit"] != "closed" and not r["paused"]:
-            problems.append(f"endpoint {r['endpoint']}: circuit {r['circuit']} since "
-                            f"{r['since']}: {r['reason']}")  # fmt: skip
-    return rows
 
 
 def _render_watch(watch: Watch) -> None:

@@ -30,9 +30,11 @@ from outbox.model import (
     PolicySnapshot,
     Reason,
     State,
+    ms_to_iso,
 )
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
 from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, watch
+from outbox.store.endpoints import Circuit
 from outbox.store.operator import OperatorSelection
 
 if TYPE_CHECKING:
@@ -286,6 +288,12 @@ class OperatorActions:
                 f"{fig.unsendable} pending operations cannot be sent by any "
                 f"dispatcher (threshold {max_unsendable}); see `outbox show`"
             )
+        for e in fig.endpoint_states:
+            if e.circuit is not Circuit.CLOSED and not e.paused:
+                problems.append(
+                    f"endpoint {e.name}: circuit {e.circuit.value} since "
+                    f"{ms_to_iso(e.since)}: {e.reason}"
+                )
         return StatusReport(figures=fig, problems=problems, watch=seen)
 
     # -- actions ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from outbox.model import (
     Verdict,
     ms_to_iso,
 )
-from outbox.reconcile.status import Figures, Watch
+from outbox.reconcile.status import Figures, Watch, endpoint_state_dict
 from outbox.store.rows import AuditRecord
 
 if TYPE_CHECKING:
@@ -296,6 +296,7 @@ class StatusReport:
             "keys_near_expiry": self.keys_near_expiry,
             "keys_expired": self.keys_expired,
             "figures": self.figures.as_dict(),
+            "endpoint_states": [endpoint_state_dict(e) for e in self.figures.endpoint_states],
             "problems": self.problems,
             "ok": not self.problems,
         }

@@ -17,6 +17,7 @@ from outbox.store import monitoring
 
 if TYPE_CHECKING:
     from outbox.reconcile.parts import OutboxParts
+    from outbox.store.endpoints import EndpointState
 
 #: A dispatcher silent for longer than this is listed as lost (``--dispatcher-timeout``).
 DEFAULT_DISPATCHER_TIMEOUT = timedelta(seconds=30)
@@ -105,6 +106,9 @@ class Figures:
     #: "half_open") or "paused" by an operator (``outbox_endpoints``). Every registered
     #: endpoint is named ("closed" until the fleet ever saw it fail).
     circuits: dict[str, str] = field(default_factory=dict)
+    #: The same fleet state in detail, one row per endpoint that ever failed or was
+    #: paused (:func:`endpoint_state_dict`): what ``outbox endpoint list`` prints.
+    endpoint_states: list[EndpointState] = field(default_factory=list)
 
     def _sum(self, name: str) -> int:
         return sum(int(getattr(e, name)) for e in self.endpoints.values())
@@ -201,6 +205,7 @@ def figures(
             unsendable=e.unsendable,
         )
     oldest = snap.oldest_pending_created_ms
+    states = outbox.store.endpoint_states()
     hour_ago = now_ms - 3_600_000
     return Figures(
         now_ms=now_ms,
@@ -212,15 +217,26 @@ def figures(
         attempts_by_outcome=monitoring.attempts_by_outcome(outbox.store, since_ms=hour_ago),
         attempts_per_minute=_per_minute(monitoring.attempts_per_minute(outbox.store,
                                                                        since_ms=hour_ago)),
-        circuits=_circuits(outbox),
+        circuits=_circuits(outbox, states),
+        endpoint_states=states,
     )  # fmt: skip
 
 
-def _circuits(outbox: OutboxParts) -> dict[str, str]:
+def _circuits(outbox: OutboxParts, states: list[EndpointState]) -> dict[str, str]:
     circuits = dict.fromkeys(outbox.endpoints, "closed")
-    for s in outbox.store.endpoint_states():
+    for s in states:
         circuits[s.name] = "paused" if s.paused else str(s.circuit)
     return dict(sorted(circuits.items()))
+
+
+def endpoint_state_dict(s: EndpointState) -> dict[str, object]:
+    """One endpoint's fleet state as every view prints it (status, endpoint list)."""
+    return {
+        "endpoint": s.name, "circuit": s.circuit.value, "paused": s.paused,
+        "reason": s.reason, "since": ms_to_iso(s.since), "probes": s.probes,
+        "next_probe_at": ms_to_iso(s.next_probe_at) if s.next_probe_at else None,
+        "probe_owner": s.probe_owner,
+    }  # fmt: skip
 
 
 #: Chart outcome of each attempt verdict.
