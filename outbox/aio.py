@@ -12,15 +12,15 @@ worker thread so the event loop never blocks on the database.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Unpack, cast
 
 from sqlalchemy import Connection
 
-from outbox.canonical import Intent, check_operation_id, check_tenant
+from outbox.canonical import Checked, EnqueueArgs, Intent, check_operation_id, check_tenant
 from outbox.errors import OperationNotFound, ValidationError, WaitTimeout
 from outbox.model import Operation
 
@@ -52,10 +52,6 @@ async def async_connection_of(connection: Any, method: str) -> AsyncConnection:
             f"`ob.{method}(..., connection=...)`, or pass an AsyncConnection or AsyncSession"
         )
     raise ValidationError("connection must be a SQLAlchemy AsyncConnection or AsyncSession")
-
-
-#: An intent as ``Outbox._validate`` accepted it.
-Checked = tuple[str, str, str | None, Any]
 
 
 class EnqueueHost(Protocol):
@@ -96,57 +92,18 @@ class AsyncMethods:
     """The ``*_async`` methods of :class:`outbox.Outbox` (a mixin; use them on an Outbox)."""
 
     async def enqueue_async(
-        self,
-        *,
-        endpoint: str,
-        method: str,
-        path: str,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        operation_id: str | None = None,
-        tenant: str = "",
-        ordering_key: str | None = None,
-        connection: Any = None,
-        priority: int = 0,
-        not_before: datetime | None = None,
-        data: Any = None,
-        content: bytes | None = None,
-        content_type: str | None = None,
-        params: Any = None,
-        form_style: str = "flat",
-        files: Any = None,
+        self, *, connection: Any = None, **kw: Unpack[EnqueueArgs]
     ) -> Operation:
-        """:meth:`Outbox.enqueue` for asyncio: with ``connection`` (an
-        ``AsyncConnection`` or ``AsyncSession``) the operation joins that transaction and
-        is never committed by us; same validation, same idempotent re-enqueue, same
-        :class:`OperationConflict`."""
+        """:meth:`Outbox.enqueue` for asyncio, with the same arguments: with
+        ``connection`` (an ``AsyncConnection`` or ``AsyncSession``) the operation joins
+        that transaction and is never committed by us; same validation, same idempotent
+        re-enqueue, same :class:`OperationConflict`."""
         ob = _outbox(self)
-        intent = Intent(
-            endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
-            priority, not_before, data, content, content_type, params, form_style, files,
-        )  # fmt: skip
+        intent = Intent(**kw)
         if connection is None:
             # Checked here, in the caller's task: the worker thread is not the lock holder.
             ob._refuse_if_caller_holds_the_lock()
-            return await asyncio.to_thread(
-                ob.enqueue,
-                endpoint=endpoint,
-                method=method,
-                path=path,
-                json=json,
-                headers=headers,
-                operation_id=operation_id,
-                tenant=tenant,
-                ordering_key=ordering_key,
-                priority=priority,
-                not_before=not_before,
-                data=data,
-                content=content,
-                content_type=content_type,
-                params=params,
-                form_style=form_style,
-                files=files,
-            )
+            return await asyncio.to_thread(functools.partial(ob.enqueue, **kw))
         conn = await async_connection_of(connection, "enqueue")
         checked = ob._validate(intent)  # before the database is touched
         return await conn.run_sync(ob._enqueue_checked, checked)

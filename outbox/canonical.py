@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Required, TypedDict
 from urllib.parse import parse_qsl, unquote
 
 from outbox.errors import ValidationError
@@ -102,6 +102,39 @@ class Intent:
             content_type=self.content_type, params=self.params,
             form_style=self.form_style, files=self.files,
         )  # fmt: skip
+
+
+class EnqueueArgs(TypedDict, total=False):
+    """The keyword arguments of :meth:`outbox.Outbox.enqueue` (beside ``connection``),
+    written once: every enqueue variant takes them (``**kw: Unpack[EnqueueArgs]``)."""
+
+    endpoint: Required[str]
+    method: Required[str]
+    path: Required[str]
+    json: Any
+    headers: Mapping[str, str] | None
+    operation_id: str | None
+    tenant: str
+    ordering_key: str | None
+    priority: int
+    not_before: datetime | None
+    data: Any
+    content: bytes | None
+    content_type: str | None
+    params: Any
+    form_style: str
+    files: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """An intent as the outbox accepted it: its identity, and its arguments in the one
+    form that is stored and compared."""
+
+    operation_id: str
+    tenant: str
+    ordering_key: str | None
+    args: CanonicalArgs
 
 
 @dataclass(frozen=True, slots=True)

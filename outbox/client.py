@@ -10,8 +10,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,6 +22,7 @@ from outbox.aio import AsyncMethods, EnqueueHost
 from outbox.base.keys import KeyRing
 from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
+    Checked,
     Intent,
     canonicalize,
     check_operation_id,
@@ -34,7 +34,6 @@ from outbox.clock import Clock, OffsetClock, SystemClock
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.errors import (
     ConfigurationError,
-    NotStoredError,
     OperationConflict,
     OperationNotFound,
     StoreError,
@@ -44,7 +43,7 @@ from outbox.errors import (
 from outbox.model import Operation, State
 from outbox.observe.wiring import ObservabilityMethods
 from outbox.store import Store, store_for
-from outbox.store.commit import Key, insert_and_commit, write_and_commit
+from outbox.store.commit import Key, OwnWrites, insert_and_commit
 from outbox.store.engine import outbox_engine
 from outbox.store.migrate import ensure_schema
 from outbox.store.rows import operation_row
@@ -54,7 +53,6 @@ from outbox.transaction import INSIDE_A_TRANSACTION, TransactionMethods, connect
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-
     # The dispatcher pulls in httpx and aiohttp: imported when dispatching, so that
     # reading an outbox (the operator's commands) starts fast.
     from outbox.dispatch.dispatcher import Dispatcher, DispatchSummary, TransportFactory
@@ -117,6 +115,8 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         self.secret_headers = tuple(secret_headers)
         self.dispatcher_settings = dispatcher or DispatcherSettings()
         self.transport_factory = transport_factory
+        #: Where an enqueue without ``connection=`` writes (a subclass may lend its own).
+        self.own_writes = OwnWrites()
         self._endpoints: dict[str, Endpoint] = {}
         self._metrics: OutboxMetrics | None = None
         # OpenTelemetry (outbox.observe.tracing): this provider, else the global one when an SDK
@@ -209,17 +209,14 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         if connection is not None:
             return self._enqueue_on(connection_of(connection), intent)
         checked = self._validate(intent)
-        op_id, tenant, ordering_key, args = checked
-        if type(self)._own_transaction is Outbox._own_transaction:
-            op = None if self.store.statements_observed else self._enqueue_own(checked)
+        if self.own_writes.direct and not self.store.statements_observed:
+            op = self._enqueue_own(checked)
             if op is not None:
                 return op
 
         def work(conn: Connection) -> tuple[Operation, list[Key]]:
-            op, created = self._insert_checked_created(
-                self._joined(conn), op_id, tenant, ordering_key, args
-            )
-            return op, [Key(tenant, op_id, args.args_sha256)] if created else []
+            op, created = self._insert_checked_created(self._joined(conn), checked)
+            return op, [_key(checked)] if created else []
 
         return self._write_own(work)
 
@@ -242,46 +239,24 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         return self._write_own(work)
 
     def _write_own(self, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
-        """Run ``work`` in enqueue's own transaction and commit it; a failed COMMIT is
-        resolved (``outbox.store.commit``), never reported as "not stored" unproven."""
+        """Run ``work`` in enqueue's own transaction, as :attr:`own_writes` commits it
+        (a failed COMMIT resolved, never reported as "not stored" unproven)."""
         self._refuse_if_caller_holds_the_lock()
-        if type(self)._own_transaction is not Outbox._own_transaction:
-            # A subclass decides where its own-transaction writes go and commits them
-            # itself (outbox.contrib.django: on Django's connection).
-            try:
-                with self._own_transaction() as conn:
-                    return work(conn)[0]
-            except NotStoredError:
-                raise
-            except StoreError as exc:
-                raise NotStoredError(f"the operation was not stored: {exc}") from exc
-        result = write_and_commit(self.store, work)
-        self.store.announce()  # committed: wake this process's dispatchers (SQLite)
-        return result
+        return self.own_writes.run(self.store, work)
 
-    def _enqueue_own(self, checked: tuple[str, str, str | None, Any]) -> Operation | None:
+    def _enqueue_own(self, checked: Checked) -> Operation | None:
         """A new operation in a transaction of its own, sent on the driver's connection
         (``outbox.store.direct``: same row, same failure semantics, a fraction of the
         Python). None when the key is already stored: the general path then returns the
         stored operation or raises ``OperationConflict``."""
         self._refuse_if_caller_holds_the_lock()
-        op_id, tenant, _, args = checked
         now = self.clock.now_ms()
         row = self._row(checked, now=now, traceparent=self._traceparent())
-        pk = insert_and_commit(self.store, row, Key(tenant, op_id, args.args_sha256))
+        pk = insert_and_commit(self.store, row, _key(checked))
         if pk is None:
             return None
         self.store.announce()  # committed: wake this process's dispatchers (SQLite)
         return self._new_operation(pk, checked, now=now)
-
-    @contextmanager
-    def _own_transaction(self) -> Iterator[Connection]:
-        """Where an enqueue without ``connection=`` writes: a short transaction of its
-        own (``outbox.contrib.django`` writes on Django's connection instead)."""
-        self._refuse_if_caller_holds_the_lock()
-        with self.store.write() as conn:
-            yield conn
-        self.store.announce()  # committed: wake this process's dispatchers (SQLite)
 
     def _refuse_if_caller_holds_the_lock(self) -> None:
         if self.store.caller_holds_write_lock():
@@ -297,15 +272,13 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             )
         return conn
 
-    def _enqueue_many_on(
-        self, conn: Connection, checked: list[tuple[str, str, str | None, Any]]
-    ) -> list[Operation]:
+    def _enqueue_many_on(self, conn: Connection, checked: list[Checked]) -> list[Operation]:
         """One multi-row INSERT for the new keys; keys already stored (or repeated within
         the batch) take enqueue's one-by-one path: the same result or OperationConflict."""
         return self._enqueue_many_created(conn, checked)[0]
 
     def _enqueue_many_created(
-        self, conn: Connection, checked: list[tuple[str, str, str | None, Any]]
+        self, conn: Connection, checked: list[Checked]
     ) -> tuple[list[Operation], list[Key]]:
         """:meth:`_enqueue_many_on`, and the keys this call created."""
         conn = self._joined(conn)
@@ -316,16 +289,16 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         )
         ops: list[Operation] = []
         created: list[Key] = []
-        for op_id, tenant, ordering_key, args in checked:
-            pk = inserted.pop((tenant, op_id), None)
+        for c in checked:
+            pk = inserted.pop((c.tenant, c.operation_id), None)
             if pk is not None:
-                created.append(Key(tenant, op_id, args.args_sha256))
-                ops.append(self._new_operation(pk, (op_id, tenant, ordering_key, args), now=now))
+                created.append(_key(c))
+                ops.append(self._new_operation(pk, c, now=now))
             else:
-                ops.append(self._insert_checked(conn, op_id, tenant, ordering_key, args))
+                ops.append(self._insert_checked_created(conn, c)[0])
         return ops, created
 
-    def _validate(self, intent: Intent) -> tuple[str, str, str | None, Any]:
+    def _validate(self, intent: Intent) -> Checked:
         op_id = intent.operation_id if intent.operation_id is not None else str(uuid.uuid4())
         check_operation_id(op_id)
         tenant = check_tenant(intent.tenant)
@@ -349,28 +322,23 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         )
         if self.keys is not None:  # an HMAC fingerprint: compared without decryption
             args = dataclasses.replace(args, args_sha256=self.keys.fingerprint(args.args_sha256))
-        return op_id, tenant, ordering_key, scheduled(args, intent)
+        return Checked(op_id, tenant, ordering_key, scheduled(args, intent))
 
     def _enqueue_on(self, conn: Connection, intent: Intent) -> Operation:
         return self._enqueue_checked(conn, self._validate(intent))
 
-    def _enqueue_checked(
-        self, conn: Connection, checked: tuple[str, str, str | None, Any]
-    ) -> Operation:
+    def _enqueue_checked(self, conn: Connection, checked: Checked) -> Operation:
         """Store an intent :meth:`_validate` accepted, on the caller's connection (the
         async methods run this through ``AsyncConnection.run_sync``)."""
-        op_id, tenant, ordering_key, args = checked
-        return self._insert_checked(self._joined(conn), op_id, tenant, ordering_key, args)
+        return self._insert_checked_created(self._joined(conn), checked)[0]
 
-    def _new_operation(
-        self, pk: int, checked: tuple[str, str, str | None, Any], *, now: int
-    ) -> Operation:
+    def _new_operation(self, pk: int, checked: Checked, *, now: int) -> Operation:
         """The operation a new pending row is (see :meth:`_row`)."""
-        op_id, tenant, ordering_key, args = checked
+        args = checked.args
         return Operation(
             pk=pk,
-            tenant=tenant,
-            operation_id=op_id,
+            tenant=checked.tenant,
+            operation_id=checked.operation_id,
             endpoint=args.endpoint,
             method=args.method,
             path=args.path,
@@ -379,7 +347,7 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             body_raw=args.body_raw,
             state=State.PENDING,
             reason=None,
-            ordering_key=ordering_key,
+            ordering_key=checked.ordering_key,
             attempts_counted=0,
             attempts_total=0,
             created_at_ms=now,
@@ -393,16 +361,14 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             not_before_ms=args.not_before_ms,
         )
 
-    def _row(
-        self, checked: tuple[str, str, str | None, Any], *, now: int, traceparent: str | None
-    ) -> dict[str, Any]:
+    def _row(self, checked: Checked, *, now: int, traceparent: str | None) -> dict[str, Any]:
         """The row of a new pending operation, with the endpoint's policy snapshot."""
-        op_id, tenant, ordering_key, args = checked
+        args = checked.args
         row = operation_row(
-            tenant=tenant,
-            operation_id=op_id,
+            tenant=checked.tenant,
+            operation_id=checked.operation_id,
             args=args,
-            ordering_key=ordering_key,
+            ordering_key=checked.ordering_key,
             now_ms=now,
             traceparent=traceparent,
             policy=self._endpoints[args.endpoint].policy_snapshot(),
@@ -415,23 +381,15 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             )
         return self.store.sealer.seal_request(row)
 
-    def _insert_checked(
-        self, conn: Connection, op_id: str, tenant: str, ordering_key: str | None, args: Any
-    ) -> Operation:
-        return self._insert_checked_created(conn, op_id, tenant, ordering_key, args)[0]
-
-    def _insert_checked_created(
-        self, conn: Connection, op_id: str, tenant: str, ordering_key: str | None, args: Any
-    ) -> tuple[Operation, bool]:
+    def _insert_checked_created(self, conn: Connection, checked: Checked) -> tuple[Operation, bool]:
         """The operation, and whether this call created it (False: it was stored before)."""
         now = self.clock.now_ms()
-        row = self._row((op_id, tenant, ordering_key, args), now=now,
-                        traceparent=self._traceparent())  # fmt: skip
+        row = self._row(checked, now=now, traceparent=self._traceparent())
         inserted = self.store.insert_operation(conn, row)
         if inserted.created:
-            return self._new_operation(inserted.pk, (op_id, tenant, ordering_key, args),
-                                       now=now), True  # fmt: skip
-        if inserted.args_sha256 != args.args_sha256:
+            return self._new_operation(inserted.pk, checked, now=now), True
+        op_id, tenant = checked.operation_id, checked.tenant
+        if inserted.args_sha256 != checked.args.args_sha256:
             raise OperationConflict(
                 f"operation {op_id!r} (tenant {tenant!r}) is already stored with different "
                 "arguments; an operation ID names one intent. Use a new operation ID for a "
@@ -571,3 +529,8 @@ async def _watch(flag: threading.Event, stopping: asyncio.Event) -> None:
 if TYPE_CHECKING:
     # The mixins' view of the Outbox (outbox.aio.EnqueueHost) is one it satisfies.
     _host: type[EnqueueHost] = Outbox
+
+
+def _key(checked: Checked) -> Key:
+    """What to look for after a failed COMMIT of ``checked``."""
+    return Key(checked.tenant, checked.operation_id, checked.args.args_sha256)

@@ -88,6 +88,11 @@ class StoreError(OutboxError):
 class NotStoredError(StoreError):
     """An operation could not be stored; the caller must treat it as not enqueued."""
 
+    @classmethod
+    def because(cls, detail: object) -> NotStoredError:
+        """The one wording of "not stored", with what failed."""
+        return cls(f"the operation was not stored: {detail}")
+
 
 class StoreOutcomeUnknown(StoreError):
     """enqueue's own COMMIT failed, and the database could not say whether it applied.

@@ -16,10 +16,9 @@ its end to you; one not in a transaction gets one for the block.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 from sqlalchemy import Connection, Engine
 
@@ -28,7 +27,7 @@ from outbox.errors import ValidationError
 from outbox.model import Operation
 
 if TYPE_CHECKING:
-    from outbox.canonical import Intent
+    from outbox.canonical import EnqueueArgs, Intent
 
 
 class Transaction:
@@ -40,36 +39,9 @@ class Transaction:
         #: statements on it.
         self.connection = connection
 
-    def enqueue(
-        self,
-        *,
-        endpoint: str,
-        method: str,
-        path: str,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        operation_id: str | None = None,
-        tenant: str = "",
-        ordering_key: str | None = None,
-        priority: int = 0,
-        not_before: datetime | None = None,
-        **body: Any,
-    ) -> Operation:
-        """:meth:`Outbox.enqueue` in this transaction."""
-        return self.outbox.enqueue(
-            endpoint=endpoint,
-            method=method,
-            path=path,
-            json=json,
-            headers=headers,
-            operation_id=operation_id,
-            tenant=tenant,
-            ordering_key=ordering_key,
-            priority=priority,
-            not_before=not_before,
-            connection=self.connection,
-            **body,
-        )
+    def enqueue(self, **kw: Unpack[EnqueueArgs]) -> Operation:
+        """:meth:`Outbox.enqueue` in this transaction, with the same arguments."""
+        return self.outbox.enqueue(connection=self.connection, **kw)
 
     def enqueue_many(self, intents: Sequence[Intent]) -> list[Operation]:
         """:meth:`Outbox.enqueue_many` in this transaction."""
@@ -84,36 +56,9 @@ class AsyncTransaction:
         #: The AsyncConnection the block runs in (or the AsyncSession you passed).
         self.connection = connection
 
-    async def enqueue(
-        self,
-        *,
-        endpoint: str,
-        method: str,
-        path: str,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        operation_id: str | None = None,
-        tenant: str = "",
-        ordering_key: str | None = None,
-        priority: int = 0,
-        not_before: datetime | None = None,
-        **body: Any,
-    ) -> Operation:
-        """:meth:`Outbox.enqueue_async` in this transaction."""
-        return await self.outbox.enqueue_async(
-            endpoint=endpoint,
-            method=method,
-            path=path,
-            json=json,
-            headers=headers,
-            operation_id=operation_id,
-            tenant=tenant,
-            ordering_key=ordering_key,
-            priority=priority,
-            not_before=not_before,
-            connection=self.connection,
-            **body,
-        )
+    async def enqueue(self, **kw: Unpack[EnqueueArgs]) -> Operation:
+        """:meth:`Outbox.enqueue_async` in this transaction, with the same arguments."""
+        return await self.outbox.enqueue_async(connection=self.connection, **kw)
 
     async def enqueue_many(self, intents: Sequence[Intent]) -> list[Operation]:
         """:meth:`Outbox.enqueue_many_async` in this transaction."""

@@ -128,16 +128,14 @@ class Store(OperatorQueries, EndpointQueries):
             inserted = conn.execute(self._insert_one, values).first()
             if inserted is not None:
                 note_marker(conn, inserted)
-                return InsertResult(
-                    pk=inserted.id, created=True, args_sha256=values["args_sha256"]
-                )
+                return InsertResult(pk=inserted.id, created=True, args_sha256=values["args_sha256"])
             row = conn.execute(
                 select(operations.c.id, operations.c.args_sha256).where(
                     operations.c.tenant == tenant, operations.c.operation_id == operation_id
                 )
             ).one()
         except DBAPIError as exc:
-            raise NotStoredError(f"the operation was not stored: {exc.orig}") from exc
+            raise NotStoredError.because(exc.orig) from exc
         return InsertResult(pk=row.id, created=False, args_sha256=row.args_sha256)
 
     @property

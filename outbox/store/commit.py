@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -69,16 +70,20 @@ class Key:
 
 
 def _not_stored(exc: BaseException) -> NotStoredError:
-    detail = getattr(exc, "orig", None) or exc
-    return NotStoredError(f"the operation was not stored: {detail}")
+    return NotStoredError.because(getattr(exc, "orig", None) or exc)
 
 
-class _LostBeforeCommit(Exception):
-    """The connection turned out dead before COMMIT was sent: nothing is stored."""
-
-    def __init__(self, error: DBAPIError) -> None:
-        super().__init__(str(error))
-        self.error = error
+def _once_more_if_lost(write: Callable[[], T]) -> T:
+    """``write``; again on a fresh connection if the pooled one was found dead before
+    COMMIT was sent (``LostBeforeCommit``: without a COMMIT nothing can be stored)."""
+    try:
+        return write()
+    except LostBeforeCommit as lost:
+        log_connection_replaced(getattr(lost.error, "orig", None) or lost.error)
+    try:
+        return write()
+    except LostBeforeCommit as lost:
+        raise _not_stored(lost.error) from lost.error
 
 
 def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
@@ -92,14 +97,7 @@ def write_and_commit(store: Store, work: Callable[[Connection], tuple[T, Sequenc
     network cut it since it was last used; see ``outbox.store.liveness``) is retried
     once on a fresh connection: without a COMMIT nothing can have been stored.
     """
-    try:
-        return _write_once(store, work)
-    except _LostBeforeCommit as lost:
-        log_connection_replaced(lost.error.orig or lost.error)
-    try:
-        return _write_once(store, work)
-    except _LostBeforeCommit as lost:
-        raise _not_stored(lost.error) from lost.error
+    return _once_more_if_lost(lambda: _write_once(store, work))
 
 
 def insert_and_commit(store: Store, row: dict[str, Any], key: Key) -> int | None:
@@ -108,14 +106,7 @@ def insert_and_commit(store: Store, row: dict[str, Any], key: Key) -> int | None
     (nothing written). Failures are told apart as :func:`write_and_commit` does: a dead
     pooled connection before COMMIT is replaced once; a failed COMMIT is resolved."""
     try:
-        try:
-            return store.insert_own(row)
-        except LostBeforeCommit as lost:
-            log_connection_replaced(lost.error)
-        try:
-            return store.insert_own(row)
-        except LostBeforeCommit as lost:
-            raise NotStoredError(f"the operation was not stored: {lost.error}") from lost.error
+        return _once_more_if_lost(lambda: store.insert_own(row))
     except CommitFailed as failed:
         log_commit_failed(failed.error, [key])
         if resolve_commit(store, failed.marker, [key], failed.error):
@@ -140,7 +131,7 @@ def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key
             # The store names its own failures NotStoredError, the driver's error as cause.
             cause = exc if isinstance(exc, DBAPIError) else exc.__cause__
             if isinstance(cause, DBAPIError) and cause.connection_invalidated:
-                raise _LostBeforeCommit(cause) from cause
+                raise LostBeforeCommit(cause) from cause
             if isinstance(exc, NotStoredError):
                 raise
             raise _not_stored(exc) from exc
@@ -168,9 +159,8 @@ def _write_once(store: Store, work: Callable[[Connection], tuple[T, Sequence[Key
 
 
 def _confirmed_not_committed(error: BaseException) -> NotStoredError:
-    return NotStoredError(
-        f"the operation was not stored: COMMIT failed ({error}) and the database "
-        "confirms the transaction did not commit"
+    return NotStoredError.because(
+        f"COMMIT failed ({error}) and the database confirms the transaction did not commit"
     )
 
 
@@ -257,3 +247,37 @@ def _find(store: Store, created: Sequence[Key]) -> int:
             if sha == key.args_sha256:
                 found += 1
     return found
+
+
+class OwnWrites:
+    """How an enqueue without ``connection=`` writes: in a short transaction of the
+    outbox's own engine, committed here, a failed COMMIT resolved
+    (:func:`write_and_commit`); a single new row may take the driver's direct path
+    (:func:`insert_and_commit`, ``outbox.store.direct``)."""
+
+    #: Whether one new row may take the direct path.
+    direct = True
+
+    def run(self, store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
+        result = write_and_commit(store, work)
+        store.announce()  # committed: wake this process's dispatchers (SQLite)
+        return result
+
+
+class BorrowedWrites(OwnWrites):
+    """Writes on a connection a host framework lends (``outbox.contrib.django``: Django's
+    own), which commits them itself: any failure is "not stored"."""
+
+    direct = False
+
+    def __init__(self, connect: Callable[[], AbstractContextManager[Connection]]) -> None:
+        self._connect = connect
+
+    def run(self, store: Store, work: Callable[[Connection], tuple[T, Sequence[Key]]]) -> T:
+        try:
+            with self._connect() as conn:
+                return work(conn)[0]
+        except NotStoredError:
+            raise
+        except StoreError as exc:
+            raise NotStoredError.because(exc) from exc

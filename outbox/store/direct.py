@@ -67,9 +67,7 @@ class DirectInsert:
             if k not in columns
         }  # fmt: skip
         self._positions = tuple(compiled.positiontup) if compiled.positiontup else None
-        processors = {
-            name: operations.c[name].type.bind_processor(dialect) for name in columns
-        }
+        processors = {name: operations.c[name].type.bind_processor(dialect) for name in columns}
         self._processors: dict[str, Callable[[Any], Any]] = {
             name: p for name, p in processors.items() if p is not None
         }
@@ -94,9 +92,9 @@ class DirectInsert:
         try:
             fairy = self._engine.raw_connection()
         except DBAPIError as exc:  # wrapped (the pool's checkout events)
-            raise NotStoredError(f"the operation was not stored: {exc.orig}") from exc
+            raise NotStoredError.because(exc.orig) from exc
         except self._dialect.loaded_dbapi.Error as exc:  # the pool's connect: the driver's own
-            raise NotStoredError(f"the operation was not stored: {exc}") from exc
+            raise NotStoredError.because(exc) from exc
         healthy = True
         try:
             dbapi = fairy.driver_connection
@@ -115,7 +113,7 @@ class DirectInsert:
                 if self._dialect.is_disconnect(exc, dbapi, cursor):
                     healthy = False
                     raise LostBeforeCommit(exc) from exc
-                raise NotStoredError(f"the operation was not stored: {exc}") from exc
+                raise NotStoredError.because(exc) from exc
             if not rows:
                 return None  # already stored: nothing written; the pool rolls back
             inserted = rows[0]

@@ -34,16 +34,13 @@ dispatch`` with ``DJANGO_SETTINGS_MODULE`` set.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-
-from sqlalchemy import Connection
 
 from outbox.client import Outbox
 from outbox.config import Endpoint
 from outbox.contrib.django.connection import borrowed_engine, database_url
 from outbox.errors import ConfigurationError, SchemaError
+from outbox.store.commit import BorrowedWrites
 
 __all__ = ["DjangoOutbox", "get_outbox", "outbox_from_settings"]
 
@@ -59,11 +56,7 @@ class DjangoOutbox(Outbox):
             super().__init__(database_url(using), **kwargs)
         except SchemaError as exc:
             raise SchemaError(f"{exc} (or manage.py migrate)") from exc
-
-    @contextmanager
-    def _own_transaction(self) -> Iterator[Connection]:
-        with borrowed_engine(self.using).connect() as conn:
-            yield conn
+        self.own_writes = BorrowedWrites(lambda: borrowed_engine(using).connect())
 
 
 _lock = threading.Lock()
