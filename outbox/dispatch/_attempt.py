@@ -26,6 +26,7 @@ from outbox.dispatch.outcomes import (
     send_deadline_ms,
 )
 from outbox.model import ErrorClass
+from outbox.observe.hooks import Sending
 from outbox.store.records import AttemptOutcome
 from outbox.wire.transport import request_headers, send_attempt, unbuilt_attempt
 
@@ -123,7 +124,8 @@ class AttemptSender:
                     attempt_outcome(work, unbuilt_attempt(exc), self._clock.now_ms())
                 )
                 return
-            traced = self._observe.attempt_started(work.batch, c, endpoint, started, headers)
+            sending = Sending(c, endpoint, started, headers)
+            traced = self._observe.attempt_started(work.batch, sending)
             log.info("attempt_started")
             self._summary.attempts += 1
             result = await send_attempt(

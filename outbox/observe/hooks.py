@@ -10,6 +10,7 @@ neither, every hook is an empty method call.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
     from outbox.wire.transport import AttemptResult
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Sending:
+    """One request about to leave, as the hooks see it."""
+
+    claimed: Claimed
+    endpoint: Endpoint
+    started: StartedAttempt
+    #: The request's headers: a hook may add some (``traceparent``).
+    headers: dict[str, str]
 
 
 class RunningDispatcher(Protocol):
@@ -84,14 +96,7 @@ class Instrumentation(Protocol):
         """The batch's attempt rows committed; the batch's own work is done."""
         return None
 
-    def attempt_started(
-        self,
-        batch: Any,
-        claimed: Claimed,
-        endpoint: Endpoint,
-        started: StartedAttempt,
-        headers: dict[str, str],
-    ) -> Any:
+    def attempt_started(self, batch: Any, sending: Sending) -> Any:
         """A request is about to be sent; may add headers (``traceparent``)."""
         return None
 
@@ -147,16 +152,9 @@ class Combined:
         for p, b in zip(self.parts, self._each(batch), strict=True):
             p.attempts_begun(b, started, now_ms)
 
-    def attempt_started(
-        self,
-        batch: Any,
-        claimed: Claimed,
-        endpoint: Endpoint,
-        started: StartedAttempt,
-        headers: dict[str, str],
-    ) -> Any:
+    def attempt_started(self, batch: Any, sending: Sending) -> Any:
         return [
-            p.attempt_started(b, claimed, endpoint, started, headers)
+            p.attempt_started(b, sending)
             for p, b in zip(self.parts, self._each(batch), strict=True)
         ]
 

@@ -48,9 +48,8 @@ from prometheus_client.registry import REGISTRY, Collector
 from outbox.base.logs import get_logger
 
 if TYPE_CHECKING:
-    from outbox.config import Endpoint
     from outbox.model import Reason, State
-    from outbox.observe.hooks import RunningDispatcher
+    from outbox.observe.hooks import RunningDispatcher, Sending
     from outbox.reconcile.parts import OutboxParts
     from outbox.reconcile.status import Figures
     from outbox.store.records import AttemptOutcome, Claimed, Recovered, StartedAttempt
@@ -305,15 +304,8 @@ class OutboxMetrics:
                     seconds = max(0, now_ms - created) / 1000
                     self._child(self.first_delay, endpoint).observe(seconds)
 
-    def attempt_started(
-        self,
-        batch: Any,
-        claimed: Claimed,
-        endpoint: Endpoint,
-        started: StartedAttempt,
-        headers: dict[str, str],
-    ) -> Any:
-        return endpoint.name
+    def attempt_started(self, batch: Any, sending: Sending) -> Any:
+        return sending.endpoint.name
 
     def attempt_sent(self, attempt: Any, result: AttemptResult) -> None:
         if attempt is not None:

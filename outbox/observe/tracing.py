@@ -26,10 +26,9 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from outbox.base.version import __version__
-from outbox.observe.hooks import Instrumentation
+from outbox.observe.hooks import Instrumentation, Sending
 
 if TYPE_CHECKING:
-    from outbox.config import Endpoint
     from outbox.store.records import Claimed, Recovered, StartedAttempt
     from outbox.wire.transport import AttemptResult
 
@@ -88,29 +87,17 @@ class Tracing(Instrumentation):
             batch.set_attribute("outbox.attempts", len(started))
             batch.end()
 
-    def attempt_started(
-        self,
-        batch: Any,
-        claimed: Claimed,
-        endpoint: Endpoint,
-        started: StartedAttempt,
-        headers: dict[str, str],
-    ) -> Any:
+    def attempt_started(self, batch: Any, sending: Sending) -> Any:
         # The attempt row is committed and the request about to leave: a tracing
         # failure must not stop it (it would leave the attempt open, "maybe sent").
         try:
-            return self._start(batch, claimed, endpoint, started, headers)
+            return self._start(batch, sending)
         except Exception:
             return None
 
-    def _start(
-        self,
-        batch: Any,
-        claimed: Claimed,
-        endpoint: Endpoint,
-        started: StartedAttempt,
-        headers: dict[str, str],
-    ) -> Any:
+    def _start(self, batch: Any, sending: Sending) -> Any:
+        claimed, endpoint, started = sending.claimed, sending.endpoint, sending.started
+        headers = sending.headers
         base = urlsplit(endpoint.base_url)
         path = claimed.path.split("?", 1)[0]  # the query may carry values: left out
         attributes: dict[str, Any] = {
