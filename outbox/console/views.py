@@ -38,11 +38,12 @@ from outbox.reconcile.bulk import BulkOutcome, BulkReport
 
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)
-#: Most operations one bulk action previews and applies.
-BULK_LIMIT = 1500
-#: Operations one apply request acts on; the rest are carried to the next request (the
-#: "Continue" button), so each request stays short and the page shows the progress.
+#: Operations one apply request acts on; the rest wait in the preview's plan for the
+#: next request (the "Continue" button), so each request stays short and the page shows
+#: the progress. A preview takes every matching operation, however many.
 BULK_PAGE = 250
+#: Rows of a bulk page's table (the summary above it counts every operation).
+BULK_ROWS_SHOWN = 500
 DONE = {
     "resolved": "Resolved. The audit trail below records it under your name.",
     "requeued": "Requeued: pending again under the same operation ID.",
@@ -223,7 +224,7 @@ class Views:
             prev_url=prev_url,
             next_url=next_url,
             filter_fields=filter_fields,
-            bulk_limit=BULK_LIMIT,
+            bulk_page=BULK_PAGE,
         )
 
     async def operation(self, request: Request, session: Session) -> Response:
@@ -416,93 +417,100 @@ class Views:
 
     async def bulk(self, request: Request, session: Session, form: FormData) -> Response:
         step = _field(form, "step")
+        view = "/queue" if _field(form, "view") == "queue" else "/operations"
+        try:
+            if step == "preview":
+                return await self._bulk_preview(session, form, view)
+            if step == "apply":
+                return await self._bulk_apply(session, form)
+            raise ValidationError("step is preview or apply")
+        except OutboxError as exc:
+            return self._failure(session, exc, link=None)
+
+    async def _bulk_preview(self, session: Session, form: FormData, view: str) -> Response:
+        """A dry run over every matching operation, read in the browser's pages; what it
+        would change is kept as a plan (:mod:`outbox.console.bulkplan`) for the apply."""
         action = _field(form, "action")
         note = _field(form, "note")
         outcome = _field(form, "outcome") or None
         accept = _field(form, "accept_duplicate_risk") == "yes"
-        view = "/queue" if _field(form, "view") == "queue" else "/operations"
-        back = view
+        if action not in BULK_ACTIONS:
+            raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
+        listing = parse_listing(form, queue=view == "/queue")
+        filters = _bulk_filters(listing.raw, view)
 
-        filters: dict[str, str] = {}
-        progress: tuple[int, int] | None = None
+        def preview() -> tuple[int, list[tuple[str, str, int]], BulkReport]:
+            shown: list[Any] = []
+            while True:
+                page = self.browser.operations(listing.flt, limit=MAX_PAGE, offset=len(shown))
+                shown += page.items
+                if not page.has_next or not page.items:
+                    break
+            targets = [(op.tenant, op.operation_id, op.version) for op in shown]
+            report = bulk_action(
+                self.outbox, targets, action=action, note=note, operator=session.actor,
+                outcome=outcome, accept_duplicate_risk=accept, dry_run=True, filters=filters,
+            )  # fmt: skip
+            return len(shown), targets, report
 
-        def act(targets: list[tuple[str, str, int]], *, dry_run: bool) -> BulkReport:
-            return bulk_action(
-                self.outbox,
-                targets,
-                action=action,
-                note=note,
-                operator=session.actor,
-                outcome=outcome,
-                accept_duplicate_risk=accept,
-                dry_run=dry_run,
-                filters=filters,
+        total, targets, report = await in_thread(preview)
+        versions = {(t, o): v for t, o, v in targets}
+        applicable = [
+            (i.tenant, i.operation_id, versions[(i.tenant, i.operation_id)])
+            for i in report.items
+            if i.outcome is BulkOutcome.CHANGED
+        ]
+        plan = None
+        if applicable:
+            plan = self.c.bulk_plans.add(
+                session, action=action, note=note, outcome=outcome,
+                accept_duplicate_risk=accept, filters=filters, targets=applicable,
+            )  # fmt: skip
+        back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
+        return self._bulk_page(session, report, plan=plan, total=total, progress=None, back=back)
+
+    async def _bulk_apply(self, session: Session, form: FormData) -> Response:
+        """The next :data:`BULK_PAGE` operations of the preview's plan, each only at the
+        version the preview saw; the page shows the progress and a Continue button."""
+        at = _int(_field(form, "at") or "0", "at")
+        plan, now = self.c.bulk_plans.take(session, _field(form, "plan"), at=at, size=BULK_PAGE)
+        report = await in_thread(
+            lambda: bulk_action(
+                self.outbox, now, action=plan.action, note=plan.note, operator=session.actor,
+                outcome=plan.outcome, accept_duplicate_risk=plan.accept_duplicate_risk,
+                dry_run=False, filters=plan.filters,
             )
+        )  # fmt: skip
+        view = "/" + plan.filters.get("view", "operations")
+        back = query_url(view, {k: v for k, v in plan.filters.items() if k != "view"})
+        progress = (at + len(now), len(plan.targets))
+        return self._bulk_page(
+            session, report, plan=plan if plan.left else None, total=len(plan.targets),
+            progress=progress, back=back,
+        )  # fmt: skip
 
-        try:
-            if action not in BULK_ACTIONS:
-                raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
-            if step == "preview":
-                listing = parse_listing(form, queue=view == "/queue")
-                filters.update(_bulk_filters(listing.raw, view))
-                back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
-
-                def preview() -> Any:
-                    shown: list[Any] = []
-                    total = 0
-                    while len(shown) < BULK_LIMIT:  # in pages: the browser's at most
-                        page = self.browser.operations(
-                            listing.flt, limit=min(MAX_PAGE, BULK_LIMIT - len(shown)),
-                            offset=len(shown),
-                        )  # fmt: skip
-                        shown += page.items
-                        total = page.total
-                        if not page.has_next:
-                            break
-                    targets = [(op.tenant, op.operation_id, op.version) for op in shown]
-                    return total, targets, act(targets, dry_run=True)
-
-                total, targets_shown, report = await in_thread(preview)
-                versions = {(t, o): v for t, o, v in targets_shown}
-                applicable = [
-                    f"{i.tenant}|{i.operation_id}|{versions[(i.tenant, i.operation_id)]}"
-                    for i in report.items
-                    if i.outcome is BulkOutcome.CHANGED
-                ]
-            elif step == "apply":
-                targets = [_target(t) for t in form.getlist("target")]
-                filters.update(_posted_filters(form))
-                if not targets:
-                    raise ValidationError("no operation was selected")
-                if len(targets) > BULK_LIMIT:
-                    raise ValidationError(f"at most {BULK_LIMIT} operations at once")
-                done_before = _int(_field(form, "done") or "0", "done")
-                now, later = targets[:BULK_PAGE], targets[BULK_PAGE:]
-                report = await in_thread(lambda: act(now, dry_run=False))
-                total = done_before + len(targets)
-                progress = (done_before + len(now), total)
-                applicable = [f"{t}|{o}|{v}" for t, o, v in later]
-            else:
-                raise ValidationError("step is preview or apply")
-        except OutboxError as exc:
-            return self._failure(session, exc, link=None)
+    def _bulk_page(
+        self,
+        session: Session,
+        report: BulkReport,
+        *,
+        plan: Any,
+        total: int,
+        progress: tuple[int, int] | None,
+        back: str,
+    ) -> Response:
         return self.c.page(
             "bulk.html",
             session=session,
-            title=f"Bulk {action}",
+            title=f"Bulk {report.action}",
             nav="",
             report=report,
             total=total,
-            truncated=total > BULK_LIMIT and report.dry_run,
-            bulk_limit=BULK_LIMIT,
-            applicable=applicable,
+            shown=report.items[:BULK_ROWS_SHOWN],
+            plan=plan,
             progress=progress,
             bulk_page=BULK_PAGE,
-            note=note,
-            outcome=outcome or "",
-            accept=accept,
             back=back,
-            filters=filters,
         )
 
 
@@ -511,18 +519,6 @@ def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:
     that is set)."""
     out = {"view": view.strip("/")}
     out.update({k: str(raw[k]) for k in FILTER_KEYS if k != "sort" and raw.get(k)})
-    return out
-
-
-def _posted_filters(form: FormData) -> dict[str, str]:
-    """The previewed listing's filters, carried by the apply form (``filter.<name>``)."""
-    out = {}
-    for key in ("view", *FILTER_KEYS):
-        value = _field(form, f"filter.{key}")
-        if value:
-            if len(value) > 255:
-                raise ValidationError("a bulk filter is longer than 255 characters")
-            out[key] = value
     return out
 
 
