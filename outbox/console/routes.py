@@ -13,6 +13,7 @@ from starlette.staticfiles import StaticFiles
 
 from outbox.console.app import Console, SecurityHeaders
 from outbox.console.auth import Credentials, Sessions
+from outbox.console.bulkviews import BulkViews
 from outbox.console.fleet import FleetViews
 from outbox.console.render import HERE
 from outbox.console.views import Views
@@ -46,7 +47,7 @@ def create_app(
         Route("/endpoints", console.reader(fleet.endpoints), methods=["GET"]),
         Route("/endpoints/{action}", console.writer(fleet.switch), methods=["POST"]),
         Route("/operation/{action}", console.writer(v.act), methods=["POST"]),
-        Route("/bulk", console.writer(v.bulk), methods=["POST"]),
+        Route("/bulk", console.writer(BulkViews(v).bulk), methods=["POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = [Middleware(SecurityHeaders)]

@@ -12,6 +12,7 @@ from starlette.responses import RedirectResponse, Response
 
 from outbox.console.app import Console, in_thread, op_link, query_url
 from outbox.console.auth import Session
+from outbox.console.bulkplan import BULK_PAGE
 from outbox.console.render import JSON_DISPLAY_LIMIT, masked, pretty_json
 from outbox.errors import (
     ConcurrentModification,
@@ -26,24 +27,14 @@ from outbox.forms import body_view
 from outbox.model import Reason, State
 from outbox.reconcile import Reconciler, attempt_dict, parse_duration
 from outbox.reconcile.browse import (
-    BULK_ACTIONS,
-    MAX_PAGE,
     Browser,
     GuardedReconciler,
     OperationFilter,
-    bulk_action,
     probe_refusal,
 )
-from outbox.reconcile.bulk import BulkOutcome, BulkReport
 
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)
-#: Operations one apply request acts on; the rest wait in the preview's plan for the
-#: next request (the "Continue" button), so each request stays short and the page shows
-#: the progress. A preview takes every matching operation, however many.
-BULK_PAGE = 250
-#: Rows of a bulk page's table (the summary above it counts every operation).
-BULK_ROWS_SHOWN = 500
 DONE = {
     "resolved": "Resolved. The audit trail below records it under your name.",
     "requeued": "Requeued: pending again under the same operation ID.",
@@ -414,104 +405,6 @@ class Views:
             return await self._operation_page(session, tenant, operation_id, probe_outcome=result)
         done = {"resolve": "resolved", "requeue": "requeued", "cancel": "cancelled"}[action]
         return RedirectResponse(f"{link}&done={done}", status_code=303)
-
-    async def bulk(self, request: Request, session: Session, form: FormData) -> Response:
-        step = _field(form, "step")
-        view = "/queue" if _field(form, "view") == "queue" else "/operations"
-        try:
-            if step == "preview":
-                return await self._bulk_preview(session, form, view)
-            if step == "apply":
-                return await self._bulk_apply(session, form)
-            raise ValidationError("step is preview or apply")
-        except OutboxError as exc:
-            return self._failure(session, exc, link=None)
-
-    async def _bulk_preview(self, session: Session, form: FormData, view: str) -> Response:
-        """A dry run over every matching operation, read in the browser's pages; what it
-        would change is kept as a plan (:mod:`outbox.console.bulkplan`) for the apply."""
-        action = _field(form, "action")
-        note = _field(form, "note")
-        outcome = _field(form, "outcome") or None
-        accept = _field(form, "accept_duplicate_risk") == "yes"
-        if action not in BULK_ACTIONS:
-            raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
-        listing = parse_listing(form, queue=view == "/queue")
-        filters = _bulk_filters(listing.raw, view)
-
-        def preview() -> tuple[int, list[tuple[str, str, int]], BulkReport]:
-            shown: list[Any] = []
-            while True:
-                page = self.browser.operations(listing.flt, limit=MAX_PAGE, offset=len(shown))
-                shown += page.items
-                if not page.has_next or not page.items:
-                    break
-            targets = [(op.tenant, op.operation_id, op.version) for op in shown]
-            report = bulk_action(
-                self.outbox, targets, action=action, note=note, operator=session.actor,
-                outcome=outcome, accept_duplicate_risk=accept, dry_run=True, filters=filters,
-            )  # fmt: skip
-            return len(shown), targets, report
-
-        total, targets, report = await in_thread(preview)
-        versions = {(t, o): v for t, o, v in targets}
-        applicable = [
-            (i.tenant, i.operation_id, versions[(i.tenant, i.operation_id)])
-            for i in report.items
-            if i.outcome is BulkOutcome.CHANGED
-        ]
-        plan = None
-        if applicable:
-            plan = self.c.bulk_plans.add(
-                session, action=action, note=note, outcome=outcome,
-                accept_duplicate_risk=accept, filters=filters, targets=applicable,
-            )  # fmt: skip
-        back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
-        return self._bulk_page(session, report, plan=plan, total=total, progress=None, back=back)
-
-    async def _bulk_apply(self, session: Session, form: FormData) -> Response:
-        """The next :data:`BULK_PAGE` operations of the preview's plan, each only at the
-        version the preview saw; the page shows the progress and a Continue button."""
-        at = _int(_field(form, "at") or "0", "at")
-        plan, now = self.c.bulk_plans.take(session, _field(form, "plan"), at=at, size=BULK_PAGE)
-        report = await in_thread(
-            lambda: bulk_action(
-                self.outbox, now, action=plan.action, note=plan.note, operator=session.actor,
-                outcome=plan.outcome, accept_duplicate_risk=plan.accept_duplicate_risk,
-                dry_run=False, filters=plan.filters,
-            )
-        )  # fmt: skip
-        view = "/" + plan.filters.get("view", "operations")
-        back = query_url(view, {k: v for k, v in plan.filters.items() if k != "view"})
-        progress = (at + len(now), len(plan.targets))
-        return self._bulk_page(
-            session, report, plan=plan if plan.left else None, total=len(plan.targets),
-            progress=progress, back=back,
-        )  # fmt: skip
-
-    def _bulk_page(
-        self,
-        session: Session,
-        report: BulkReport,
-        *,
-        plan: Any,
-        total: int,
-        progress: tuple[int, int] | None,
-        back: str,
-    ) -> Response:
-        return self.c.page(
-            "bulk.html",
-            session=session,
-            title=f"Bulk {report.action}",
-            nav="",
-            report=report,
-            total=total,
-            shown=report.items[:BULK_ROWS_SHOWN],
-            plan=plan,
-            progress=progress,
-            bulk_page=BULK_PAGE,
-            back=back,
-        )
 
 
 def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:

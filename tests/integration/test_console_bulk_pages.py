@@ -122,3 +122,49 @@ def test_a_bulk_action_over_1600_operations_runs_in_pages_with_progress(
         details = json.loads(r.details)
         assert details["bulk"] == {"tenant": "acme", "view": "queue"}
         assert details["via"] == "console"
+
+
+def test_a_large_preview_is_read_a_page_per_request_before_the_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many operations match, no request previews more than ``PREVIEW_PAGE`` of
+    them (here 500 of 1,600): the page says how far the preview got, the apply waits for
+    its end, and a preview page posted twice reads nothing twice."""
+    import outbox.console.bulkviews
+
+    monkeypatch.setattr(outbox.console.bulkviews, "PREVIEW_PAGE", 500)
+    url = f"sqlite:///{tmp_path / 'o.sqlite3'}"
+    _build(url)
+    creds = Credentials.parse(f"alice:{TOKEN}\n", default_name="nobody", source="test")
+    with Outbox(url) as ob:
+        c = TestClient(create_app(ob, creds), base_url="http://127.0.0.1")
+        c.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        csrf = re.search(r'name="csrf" value="([^"]+)"', c.get("/queue").text)
+        assert csrf
+        form = {"csrf": csrf.group(1), "step": "preview", "view": "queue",
+                "action": "resolve", "outcome": "failed", "note": "supplier closed",
+                "tenant": "acme"}  # fmt: skip
+        page = c.post("/bulk", data=form).text
+        progress = []
+        while "Continue the preview" in page:
+            progress.append(re.search(r'id="preview-progress">([^<]+)<', page).group(1))  # type: ignore[union-attr]
+            fields = _apply_fields(page)
+            if len(progress) == 1:
+                early = c.post("/bulk", data={**fields, "step": ["apply"], "at": ["0"]})
+                assert early.status_code == 400 and "not finished" in early.text
+            page = c.post("/bulk", data=fields).text
+            if len(progress) == 1:
+                again = c.post("/bulk", data=fields)
+                assert again.status_code == 400 and "already read" in again.text
+        assert progress == [f"{n} of {N} previewed" for n in (500, 1000, 1500)]
+        assert f"would change: {N}" in page and f"Apply to {N}</button>" in page
+        assert f'id="bulk-matched">{N}<' in page
+        assert "The first 500 of 1600 are listed" in page
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(audit)).scalar_one() == 0
+        while "Apply to" in page or "Continue:" in page:
+            page = c.post("/bulk", data=_apply_fields(page)).text
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(audit)).scalar_one() == N
+        engine.dispose()
