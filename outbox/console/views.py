@@ -418,10 +418,3 @@ def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:
 def _field(form: FormData, name: str) -> str:
     value = form.get(name)
     return value if isinstance(value, str) else ""
-
-
-def _target(text: Any) -> tuple[str, str, int]:
-    if not isinstance(text, str) or text.count("|") != 2:
-        raise ValidationError("a bulk target is tenant|operation_id|version")
-    tenant, operation_id, version = text.split("|")
-    return tenant, operation_id, _int(version, "version")

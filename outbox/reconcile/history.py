@@ -14,7 +14,8 @@ The queue's past size is not stored; it is derived, honestly, from what the tabl
   (the row has moved on), so the end of its last attempt before it left stands for it
   (the attempt that put it there; for a deadline that passed later, an earlier time, so
   the chart may show such an operation in the queue a little early). An operation that
-  left and was never attempted counts from the start of the hour.
+  left and was never attempted (or whose row was purged since) counts from the start of
+  the hour.
 
 So ``size(t) = now - entered after t + left after t (having entered by t)``, exact for
 every operation still in the queue and for every departure whose entry was an attempt.
