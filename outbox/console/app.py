@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from outbox.base.logs import get_logger
 from outbox.base.version import __version__
 from outbox.console.auth import Credentials, Session, Sessions, SignInLimiter
+from outbox.console.bulkplan import BulkPlans
 from outbox.console.render import environment
 from outbox.errors import StoreError
 
@@ -46,7 +47,8 @@ SECURITY_HEADERS = {
     "cross-origin-opener-policy": "same-origin",
 }
 MAX_FORM_FIELDS = 2000
-#: Every form fits: a 2000-character note, or a bulk apply naming 200 operations.
+#: Every form fits: a 2000-character note (a bulk apply names its preview, not each
+#: operation, so no form grows with a selection).
 MAX_FORM_BYTES = 256 * 1024
 
 
@@ -91,6 +93,7 @@ class Console:
         self.credentials = credentials
         self.read_only = read_only
         self.sessions = sessions or Sessions()
+        self.bulk_plans = BulkPlans(ttl_seconds=self.sessions.ttl)
         self.env = environment()
         self.env.globals.update(op_url=op_url, op_link=op_link)
         self.database = outbox.engine.url.render_as_string(hide_password=True)

@@ -8,11 +8,13 @@ can compare them with the library's figures.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from outbox.model import Operation
+from outbox.reconcile.history import EndpointLatency
 from outbox.reconcile.status import CHART_OUTCOMES
 
 _COLOURS = {"success": "#2e7d32", "retry": "#f9a825", "failed": "#c62828", "other": "#607d8b"}
@@ -112,3 +114,98 @@ def timeline_chart(op: Operation, now_ms: int) -> Markup:
         )
     parts.append("</svg>")
     return Markup("".join(parts))  # noqa: S704 (numbers and fixed words only)
+
+
+def queue_chart(sizes: Sequence[int]) -> Markup:
+    """The reconciliation queue's size at the end of each minute of the last hour, a
+    step line over a filled area, oldest left (:func:`outbox.reconcile.history.queue_history`)."""
+    peak = max(sizes, default=0)
+    scale = peak or 1
+    step = _WIDTH / max(1, len(sizes))
+    points = [f"0,{_HEIGHT}"]
+    for i, n in enumerate(sizes):
+        y = _HEIGHT - round(n * (_HEIGHT - 4) / scale)
+        points.append(f"{round(i * step, 1)},{y} {round((i + 1) * step, 1)},{y}")
+    points.append(f"{_WIDTH},{_HEIGHT}")
+    data = ",".join(str(int(n)) for n in sizes)
+    now = int(sizes[-1]) if sizes else 0
+    parts = [
+        f'<svg class="chart" role="img" viewBox="0 0 {_WIDTH} {_HEIGHT + 16}" '
+        f'width="{_WIDTH}" height="{_HEIGHT + 16}" data-chart="queue-size" '
+        f'data-sizes="{data}" data-now="{now}" data-peak="{peak}">',
+        "<title>Reconciliation queue size at the end of each minute, last hour</title>",
+        f'<polygon points="{" ".join(points)}" fill="#efe3fa" stroke="#7a3fb0" '
+        'stroke-width="1.5"/>',
+    ]
+    for i, n in enumerate(sizes):
+        parts.append(
+            f'<rect x="{round(i * step, 1)}" y="0" width="{round(step, 1)}" height="{_HEIGHT}" '
+            f'fill="transparent" data-minute="{i}" data-n="{int(n)}"><title>{int(n)} '
+            f"unresolved</title></rect>"
+        )
+    parts.append(
+        f'<text x="0" y="{_HEIGHT + 13}" font-size="11">-60 min (peak {peak})</text>'
+        f'<text x="{_WIDTH}" y="{_HEIGHT + 13}" font-size="11" text-anchor="end">now: '
+        f"{now}</text></svg>"
+    )
+    return Markup("".join(parts))  # noqa: S704 (numbers and fixed words only)
+
+
+_LATENCY_COLOURS = {"p50": "#1f5fbf", "p95": "#f9a825", "p99": "#c62828"}
+
+
+def latency_chart(latencies: Sequence[EndpointLatency]) -> Markup:
+    """Each endpoint's attempt latency over the last hour: its p50, p95 and p99 as bars
+    on a logarithmic scale (1 ms to the slowest), one row per endpoint with attempts.
+    Endpoint names are the only words not fixed here: they are escaped."""
+    rows = [e for e in latencies if e.count]
+    row_h, label_w = 34, 140
+    height = max(1, len(rows)) * row_h + 18
+    top = max((e.max_ms for e in rows), default=1)
+    span = math.log10(max(10, top))
+
+    def w(ms: int) -> int:
+        return max(2, round(math.log10(max(1, ms)) * (_WIDTH - label_w - 190) / span))
+
+    parts = [
+        f'<svg class="chart" role="img" viewBox="0 0 {_WIDTH} {height}" width="{_WIDTH}" '
+        f'height="{height}" data-chart="endpoint-latency" data-endpoints="{len(rows)}">',
+        "<title>Attempt latency per endpoint (p50, p95, p99), last hour</title>",
+    ]
+    for r, e in enumerate(rows):
+        y = r * row_h
+        name = escape(e.endpoint)
+        parts.append(
+            f'<g data-endpoint="{name}" data-count="{e.count}" data-p50="{e.p50_ms}" '
+            f'data-p95="{e.p95_ms}" data-p99="{e.p99_ms}" data-max="{e.max_ms}">'
+            f'<text x="0" y="{y + 16}" font-size="12">{name}</text>'
+            f'<text x="0" y="{y + 29}" font-size="10" fill="#5b6573">{e.count} attempt'
+            f"{'s' if e.count != 1 else ''}</text>"
+        )
+        for k, (label, ms) in enumerate((("p99", e.p99_ms), ("p95", e.p95_ms),
+                                         ("p50", e.p50_ms))):  # fmt: skip
+            parts.append(
+                f'<rect x="{label_w}" y="{y + 4 + k * 8}" width="{w(ms)}" height="7" '
+                f'fill="{_LATENCY_COLOURS[label]}"><title>{label} ≤ {ms} ms</title></rect>'
+            )
+        parts.append(
+            f'<text x="{label_w + w(e.p99_ms) + 4}" y="{y + 18}" font-size="10">'
+            f"p50 {e.p50_ms} · p95 {e.p95_ms} · p99 {e.p99_ms} ms</text></g>"
+        )
+    if not rows:
+        parts.append('<text x="0" y="16" font-size="12">no attempt in the last hour</text>')
+    parts.append(
+        f'<text x="{label_w}" y="{height - 4}" font-size="10">1 ms</text>'
+        f'<text x="{_WIDTH - 190}" y="{height - 4}" font-size="10" text-anchor="end">'
+        f"{top} ms (log scale)</text></svg>"
+    )
+    return Markup("".join(parts))  # noqa: S704 (numbers, fixed words, escaped names)
+
+
+def latency_legend() -> Markup:
+    items = "".join(
+        f'<li><svg width="10" height="10"><rect width="10" height="10" fill="{c}"/></svg> '
+        f"{name}</li>"
+        for name, c in _LATENCY_COLOURS.items()
+    )
+    return Markup(f'<ul class="legend">{items}</ul>')  # noqa: S704 (fixed words only)

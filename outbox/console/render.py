@@ -86,9 +86,19 @@ def environment() -> Environment:
     env.filters["when"] = when
     env.filters["age"] = age
     env.filters["duration"] = format_duration
-    from outbox.console.charts import attempts_chart, legend, timeline_chart
+    from outbox.console.charts import (
+        attempts_chart,
+        latency_chart,
+        latency_legend,
+        legend,
+        queue_chart,
+        timeline_chart,
+    )
 
     env.globals["attempts_chart"] = attempts_chart
     env.globals["chart_legend"] = legend
     env.globals["timeline_chart"] = timeline_chart
+    env.globals["queue_chart"] = queue_chart
+    env.globals["latency_chart"] = latency_chart
+    env.globals["latency_legend"] = latency_legend
     return env

@@ -13,6 +13,8 @@ from starlette.staticfiles import StaticFiles
 
 from outbox.console.app import Console, SecurityHeaders
 from outbox.console.auth import Credentials, Sessions
+from outbox.console.bulkviews import BulkViews
+from outbox.console.fleet import FleetViews
 from outbox.console.render import HERE
 from outbox.console.views import Views
 
@@ -32,6 +34,7 @@ def create_app(
     defence against DNS rebinding on a loopback bind); None accepts any."""
     console = Console(outbox, credentials, read_only=read_only, sessions=sessions)
     v = Views(console)
+    fleet = FleetViews(console)
     routes = [
         Route("/login", console.login_form, methods=["GET"]),
         Route("/login", console.login, methods=["POST"]),
@@ -41,8 +44,10 @@ def create_app(
         Route("/operations", console.reader(v.operations), methods=["GET"]),
         Route("/operation", console.reader(v.operation), methods=["GET"]),
         Route("/audit", console.reader(v.audit), methods=["GET"]),
+        Route("/endpoints", console.reader(fleet.endpoints), methods=["GET"]),
+        Route("/endpoints/{action}", console.writer(fleet.switch), methods=["POST"]),
         Route("/operation/{action}", console.writer(v.act), methods=["POST"]),
-        Route("/bulk", console.writer(v.bulk), methods=["POST"]),
+        Route("/bulk", console.writer(BulkViews(v).bulk), methods=["POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = [Middleware(SecurityHeaders)]

@@ -12,6 +12,7 @@ from starlette.responses import RedirectResponse, Response
 
 from outbox.console.app import Console, in_thread, op_link, query_url
 from outbox.console.auth import Session
+from outbox.console.bulkplan import BULK_PAGE
 from outbox.console.render import JSON_DISPLAY_LIMIT, masked, pretty_json
 from outbox.errors import (
     ConcurrentModification,
@@ -26,23 +27,14 @@ from outbox.forms import body_view
 from outbox.model import Reason, State
 from outbox.reconcile import Reconciler, attempt_dict, parse_duration
 from outbox.reconcile.browse import (
-    BULK_ACTIONS,
-    MAX_PAGE,
     Browser,
     GuardedReconciler,
     OperationFilter,
-    bulk_action,
     probe_refusal,
 )
-from outbox.reconcile.bulk import BulkOutcome, BulkReport
 
 NO_TENANT = "(none)"
 PAGE_SIZES = (25, 50, 100, 200)
-#: Most operations one bulk action previews and applies.
-BULK_LIMIT = 1500
-#: Operations one apply request acts on; the rest are carried to the next request (the
-#: "Continue" button), so each request stays short and the page shows the progress.
-BULK_PAGE = 250
 DONE = {
     "resolved": "Resolved. The audit trail below records it under your name.",
     "requeued": "Requeued: pending again under the same operation ID.",
@@ -223,7 +215,7 @@ class Views:
             prev_url=prev_url,
             next_url=next_url,
             filter_fields=filter_fields,
-            bulk_limit=BULK_LIMIT,
+            bulk_page=BULK_PAGE,
         )
 
     async def operation(self, request: Request, session: Session) -> Response:
@@ -414,97 +406,6 @@ class Views:
         done = {"resolve": "resolved", "requeue": "requeued", "cancel": "cancelled"}[action]
         return RedirectResponse(f"{link}&done={done}", status_code=303)
 
-    async def bulk(self, request: Request, session: Session, form: FormData) -> Response:
-        step = _field(form, "step")
-        action = _field(form, "action")
-        note = _field(form, "note")
-        outcome = _field(form, "outcome") or None
-        accept = _field(form, "accept_duplicate_risk") == "yes"
-        view = "/queue" if _field(form, "view") == "queue" else "/operations"
-        back = view
-
-        filters: dict[str, str] = {}
-        progress: tuple[int, int] | None = None
-
-        def act(targets: list[tuple[str, str, int]], *, dry_run: bool) -> BulkReport:
-            return bulk_action(
-                self.outbox,
-                targets,
-                action=action,
-                note=note,
-                operator=session.actor,
-                outcome=outcome,
-                accept_duplicate_risk=accept,
-                dry_run=dry_run,
-                filters=filters,
-            )
-
-        try:
-            if action not in BULK_ACTIONS:
-                raise ValidationError(f"bulk action must be one of {', '.join(BULK_ACTIONS)}")
-            if step == "preview":
-                listing = parse_listing(form, queue=view == "/queue")
-                filters.update(_bulk_filters(listing.raw, view))
-                back = query_url(view, {k: v for k, v in listing.raw.items() if k != "limit"})
-
-                def preview() -> Any:
-                    shown: list[Any] = []
-                    total = 0
-                    while len(shown) < BULK_LIMIT:  # in pages: the browser's at most
-                        page = self.browser.operations(
-                            listing.flt, limit=min(MAX_PAGE, BULK_LIMIT - len(shown)),
-                            offset=len(shown),
-                        )  # fmt: skip
-                        shown += page.items
-                        total = page.total
-                        if not page.has_next:
-                            break
-                    targets = [(op.tenant, op.operation_id, op.version) for op in shown]
-                    return total, targets, act(targets, dry_run=True)
-
-                total, targets_shown, report = await in_thread(preview)
-                versions = {(t, o): v for t, o, v in targets_shown}
-                applicable = [
-                    f"{i.tenant}|{i.operation_id}|{versions[(i.tenant, i.operation_id)]}"
-                    for i in report.items
-                    if i.outcome is BulkOutcome.CHANGED
-                ]
-            elif step == "apply":
-                targets = [_target(t) for t in form.getlist("target")]
-                filters.update(_posted_filters(form))
-                if not targets:
-                    raise ValidationError("no operation was selected")
-                if len(targets) > BULK_LIMIT:
-                    raise ValidationError(f"at most {BULK_LIMIT} operations at once")
-                done_before = _int(_field(form, "done") or "0", "done")
-                now, later = targets[:BULK_PAGE], targets[BULK_PAGE:]
-                report = await in_thread(lambda: act(now, dry_run=False))
-                total = done_before + len(targets)
-                progress = (done_before + len(now), total)
-                applicable = [f"{t}|{o}|{v}" for t, o, v in later]
-            else:
-                raise ValidationError("step is preview or apply")
-        except OutboxError as exc:
-            return self._failure(session, exc, link=None)
-        return self.c.page(
-            "bulk.html",
-            session=session,
-            title=f"Bulk {action}",
-            nav="",
-            report=report,
-            total=total,
-            truncated=total > BULK_LIMIT and report.dry_run,
-            bulk_limit=BULK_LIMIT,
-            applicable=applicable,
-            progress=progress,
-            bulk_page=BULK_PAGE,
-            note=note,
-            outcome=outcome or "",
-            accept=accept,
-            back=back,
-            filters=filters,
-        )
-
 
 def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:
     """The listing's filters as the audit row records them (the view, and each filter
@@ -514,25 +415,6 @@ def _bulk_filters(raw: dict[str, Any], view: str) -> dict[str, str]:
     return out
 
 
-def _posted_filters(form: FormData) -> dict[str, str]:
-    """The previewed listing's filters, carried by the apply form (``filter.<name>``)."""
-    out = {}
-    for key in ("view", *FILTER_KEYS):
-        value = _field(form, f"filter.{key}")
-        if value:
-            if len(value) > 255:
-                raise ValidationError("a bulk filter is longer than 255 characters")
-            out[key] = value
-    return out
-
-
 def _field(form: FormData, name: str) -> str:
     value = form.get(name)
     return value if isinstance(value, str) else ""
-
-
-def _target(text: Any) -> tuple[str, str, int]:
-    if not isinstance(text, str) or text.count("|") != 2:
-        raise ValidationError("a bulk target is tenant|operation_id|version")
-    tenant, operation_id, version = text.split("|")
-    return tenant, operation_id, _int(version, "version")

@@ -28,6 +28,7 @@ from outbox.reconcile import (
     default_operator,
 )
 from outbox.reconcile.bulk import BulkItem, BulkOutcome, BulkReport, Selection, bulk
+from outbox.reconcile.history import EndpointLatency, QueueHistory, endpoint_latency, queue_history
 from outbox.reconcile.probe import probe, skip_reason
 from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, Watch, watch
 from outbox.store import browse as sql
@@ -102,6 +103,10 @@ class Overview:
     dispatcher_timeout: timedelta
     endpoints_registered: list[str]
     now_ms: int
+    #: The reconciliation queue's size minute by minute over the last hour.
+    queue: QueueHistory | None = None
+    #: Each endpoint's attempt latency over the last hour.
+    latency: list[EndpointLatency] = dataclasses.field(default_factory=list)
 
 
 class Browser:
@@ -179,6 +184,8 @@ class Browser:
             dispatcher_timeout=timeout,
             endpoints_registered=sorted(self.outbox.endpoints),
             now_ms=now,
+            queue=queue_history(self.outbox, now_ms=report.figures.now_ms),
+            latency=endpoint_latency(self.outbox, now_ms=report.figures.now_ms),
         )
 
 

@@ -285,3 +285,91 @@ def list_dispatchers(store: Store) -> list[DispatcherRow]:
         )
         for r in rows
     ]
+
+
+# -- the overview's history charts -------------------------------------------------------
+
+
+def queue_entries(store: Store, *, since_ms: int) -> tuple[int, list[tuple[int, int]]]:
+    """The reconciliation queue now: how many operations are unresolved, and (minute
+    since ``since_ms``, count) of those whose ``updated_at`` (entry into the queue) is at
+    or after ``since_ms``. Two reads of ``ix_outbox_operations_state_updated``."""
+    unresolved = operations.c.state == State.UNRESOLVED.value
+    minute = ((operations.c.updated_at - since_ms) // 60_000).label("m")
+    with store.read() as conn:
+        total = conn.execute(select(func.count()).where(unresolved)).scalar_one()
+        rows = conn.execute(
+            select(minute, func.count().label("n"))
+            .where(unresolved, operations.c.updated_at >= since_ms)
+            .group_by(minute)
+        ).all()
+    return int(total), [(int(r.m), int(r.n)) for r in rows]
+
+
+def queue_exits(store: Store, *, since_ms: int) -> list[tuple[int, int | None]]:
+    """(when, entered) of each departure from the reconciliation queue since
+    ``since_ms``: the audit rows that took an operation out of ``unresolved`` (every
+    operator action and probe settlement writes one), each with the end of the
+    operation's last attempt before it (its entry into the queue, as far as the tables
+    still tell; None when it has none). Reads the audit rows of that period, and the
+    attempts of those operations only."""
+    from outbox.store.tables import audit
+
+    entered = (
+        select(func.max(attempts.c.finished_at))
+        .where(
+            attempts.c.operation_pk == operations.c.id,
+            attempts.c.finished_at <= audit.c.at,
+        )
+        .scalar_subquery()
+    )
+    query = (
+        select(audit.c.at, entered.label("entered"))
+        .select_from(
+            audit.outerjoin(
+                operations,
+                and_(
+                    operations.c.tenant == audit.c.tenant,
+                    operations.c.operation_id == audit.c.operation_id,
+                ),
+            )
+        )
+        .where(
+            audit.c.at >= since_ms,
+            audit.c.from_state == State.UNRESOLVED.value,
+            audit.c.to_state != State.UNRESOLVED.value,
+        )
+    )
+    with store.read() as conn:
+        rows = conn.execute(query).all()
+    return [(int(r.at), None if r.entered is None else int(r.entered)) for r in rows]
+
+
+def latency_histogram(
+    store: Store, *, since_ms: int, bounds_ms: tuple[int, ...]
+) -> list[tuple[str, int, int, int, int]]:
+    """(endpoint, bucket, count, total ms, max ms) of the attempts started since
+    ``since_ms`` that have a duration: bucket ``i`` holds durations up to
+    ``bounds_ms[i]`` (and above the one before), ``len(bounds_ms)`` those above the
+    last. One grouped read over ``ix_outbox_attempts_started_at``, joined to each
+    attempt's operation by its primary key."""
+    duration = attempts.c.duration_ms
+    bucket = case(
+        *((duration <= bound, literal(i)) for i, bound in enumerate(bounds_ms)),
+        else_=literal(len(bounds_ms)),
+    ).label("b")
+    query = (
+        select(
+            operations.c.endpoint,
+            bucket,
+            func.count().label("n"),
+            func.sum(duration).label("total"),
+            func.max(duration).label("top"),
+        )
+        .select_from(attempts.join(operations, operations.c.id == attempts.c.operation_pk))
+        .where(attempts.c.started_at >= since_ms, duration.is_not(None))
+        .group_by(operations.c.endpoint, bucket)
+    )
+    with store.read() as conn:
+        rows = conn.execute(query).all()
+    return [(r.endpoint, int(r.b), int(r.n), int(r.total or 0), int(r.top or 0)) for r in rows]

@@ -63,6 +63,16 @@ def version_of(page: str) -> int:
     return int(match.group(1))
 
 
+def apply_fields(page: str) -> dict[str, list[str]]:
+    """The hidden fields of a bulk page's apply (or Continue) form."""
+    form = page[page.index('<form method="post" action="/bulk" class="card">') :]
+    form = form[: form.index("</form>")]
+    fields: dict[str, list[str]] = {}
+    for name, value in re.findall(r'name="([^"]+)" value="([^"]*)"', form):
+        fields.setdefault(name, []).append(value)
+    return fields
+
+
 def op_path(ref: S.Ref) -> str:
     return f"/operation?tenant={ref.tenant}&id={ref.operation_id}"
 
@@ -551,8 +561,8 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
     )
     assert r.status_code == 200 and "preview" in r.text
     assert world.rows() == before
-    targets = re.findall(r'name="target" value="([^"]+)"', r.text)
-    assert [t.split("|")[1] for t in targets] == [BUSY.operation_id]
+    assert "would change: 1" in r.text and "Apply to 1</button>" in r.text
+    assert f">{BUSY.operation_id}</a>" in r.text
     # Preview every unresolved one for requeue: the library says which may go.
     r = c.post(
         "/bulk",
@@ -566,9 +576,6 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
         },
     )
     assert world.rows() == before
-    # The apply form carries the previewed filters, for the audit rows.
-    posted_filters = dict(re.findall(r'name="(filter\.[a-z_]+)" value="([^"]*)"', r.text))
-    assert posted_filters == {"filter.older_than": "0s", "filter.view": "queue"}
     rows = dict(
         re.findall(
             r'<a href="[^"]+">([^<]+)</a></td>\s*<td>[^<]*</td><td>([^<]+)</td>',
@@ -577,22 +584,15 @@ def test_bulk_preview_changes_nothing_and_apply_reports_each_operation(world: Wo
     )
     # The CLI's words: would change, refused, changed by someone else.
     assert rows == {op.operation_id: "would change" for op in S.UNRESOLVED}
+    # The apply form names the preview's plan, not each operation (no form grows with
+    # the selection); the plan keeps the previewed filters for the audit rows.
+    apply = apply_fields(r.text)
+    assert set(apply) == {"csrf", "step", "plan", "at"} and apply["at"] == ["0"]
     # Apply, with one operation changed between the preview and the apply.
-    all_targets = re.findall(r'name="target" value="([^"]+)"', r.text)
     world.ob.reconcile.resolve(
         DARK.operation_id, tenant=DARK.tenant, outcome="failed", note="meanwhile", operator="bob"
     )
-    r = c.post(
-        "/bulk",
-        data={
-            "csrf": csrf,
-            "step": "apply",
-            "action": "requeue",
-            "note": "retry all",
-            "target": all_targets,
-            **posted_filters,
-        },
-    )
+    r = c.post("/bulk", data=apply)
     assert r.status_code == 200
     result = html.unescape(r.text)
     assert "changed: 2" in result and "changed by someone else: 1" in result
@@ -625,8 +625,10 @@ def test_bulk_refusals_change_nothing(shared: World) -> None:
         ({"action": "resolve", "note": "x", "step": "preview"}, "needs an outcome"),
         ({"action": "resolve", "outcome": "failed", "note": " ", "step": "preview"}, "a note"),
         ({"action": "explode", "note": "x", "step": "preview"}, "bulk action must be"),
-        ({"action": "cancel", "note": "x", "step": "apply"}, "no operation was selected"),
-        ({"action": "cancel", "note": "x", "step": "apply", "target": "a|b"}, "tenant|"),
+        ({"step": "apply"}, "that bulk preview is gone"),
+        ({"step": "apply", "plan": "made-up", "at": "0"}, "that bulk preview is gone"),
+        ({"step": "apply", "plan": "made-up", "at": "x"}, "at must be a whole number"),
+        ({"step": "explode"}, "step is preview or apply"),
     ):
         r = c.post("/bulk", data={"csrf": csrf, **data})
         assert r.status_code == 400 and words in html.unescape(r.text), data
@@ -635,7 +637,7 @@ def test_bulk_refusals_change_nothing(shared: World) -> None:
         "/bulk",
         data={"csrf": csrf, "step": "preview", "view": "queue", "action": "cancel", "note": "x"},
     )
-    assert "refused: 3" in r.text and 'name="target"' not in r.text
+    assert "refused: 3" in r.text and 'name="plan"' not in r.text
     # Grouped as the CLI groups them: one line per reason, with the first IDs.
     assert "<li>refused 3: is unresolved (" in html.unescape(r.text)
     assert shared.rows() == before
@@ -681,11 +683,7 @@ def test_bulk_probe_previews_then_settles_each_by_the_receivers_answer(
         )
         assert r.status_code == 200 and "would change: 2" in r.text
         assert S.table_rows(ob.engine) == before
-        targets = re.findall(r'name="target" value="([^"]+)"', r.text)
-        r = c.post(
-            "/bulk",
-            data={"csrf": csrf, "step": "apply", "action": "probe", "note": "", "target": targets},
-        )
+        r = c.post("/bulk", data=apply_fields(r.text))
         assert r.status_code == 200 and "changed: 2" in r.text
         assert "resolved_succeeded" in r.text and "requeued" in r.text
         assert ob.get("op-applied").state.value == "succeeded"
@@ -832,8 +830,7 @@ def test_every_stored_string_renders_as_text_and_secret_headers_are_masked(
     planted = "&#34;&gt;&lt;img src=x onerror=alert(1)&gt;"
     # (kept as "header: value", the header the receiver named it in)
     assert (
-        f'<dt>receiver\'s request ID</dt><dd class="mono">x-request-id: {planted}</dd>'
-        in hostile
+        f'<dt>receiver\'s request ID</dt><dd class="mono">x-request-id: {planted}</dd>' in hostile
     )
     assert (
         '<dd class="mono error">&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; ' + planted

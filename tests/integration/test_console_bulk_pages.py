@@ -1,7 +1,8 @@
-"""The console's bulk action over 1,000 operations (issue 29): one preview of them all,
-then the apply in pages of ``BULK_PAGE`` with the progress on each page, one audit row
-per operation carrying the previewed filters, as the CLI's do. Starlette's test client
-over a real SQLite file and a real PostgreSQL schema."""
+"""The console's bulk action over 1,600 operations (issue 29; more than the 1,500 the
+apply form could once carry): one preview of them all, then the apply in pages of
+``BULK_PAGE`` with the progress on each page, one audit row per operation carrying the
+previewed filters, as the CLI's do. A page posted twice, or by another session, acts on
+nothing. Starlette's test client over a real SQLite file and a real PostgreSQL schema."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from outbox.store.migrate import upgrade
 from outbox.store.tables import audit, operations
 
 TOKEN = "alice-" + "a" * 20
-N = 1000
+BOB = "bob-" + "b" * 20
+N = 1600
 
 
 def _build(url: str) -> None:
@@ -46,8 +48,16 @@ def _build(url: str) -> None:
     engine.dispose()
 
 
+def _apply_fields(page: str) -> dict[str, list[str]]:
+    form = page[page.index('<form method="post" action="/bulk" class="card">') :]
+    fields: dict[str, list[str]] = {}
+    for name, value in re.findall(r'name="([^"]+)" value="([^"]*)"', form[: form.index("</form>")]):
+        fields.setdefault(name, []).append(value)
+    return fields
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
-def test_a_bulk_action_over_1000_operations_runs_in_pages_with_progress(
+def test_a_bulk_action_over_1600_operations_runs_in_pages_with_progress(
     dialect: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     url = (
@@ -56,9 +66,10 @@ def test_a_bulk_action_over_1000_operations_runs_in_pages_with_progress(
         else request.getfixturevalue("pg_url")
     )
     _build(url)
-    creds = Credentials.parse(f"alice:{TOKEN}\n", default_name="nobody", source="test")
+    creds = Credentials.parse(f"alice:{TOKEN}\nbob:{BOB}\n", default_name="nobody", source="test")
     with Outbox(url) as ob:
-        c = TestClient(create_app(ob, creds), base_url="http://127.0.0.1")
+        app = create_app(ob, creds)
+        c = TestClient(app, base_url="http://127.0.0.1")
         c.post("/login", data={"token": TOKEN}, follow_redirects=False)
         csrf = re.search(r'name="csrf" value="([^"]+)"', c.get("/queue").text)
         assert csrf
@@ -66,21 +77,34 @@ def test_a_bulk_action_over_1000_operations_runs_in_pages_with_progress(
                 "action": "resolve", "outcome": "failed", "note": "supplier closed",
                 "tenant": "acme"}  # fmt: skip
         page = c.post("/bulk", data=form).text
-        assert "would change: 1000" in page and "Apply to 1000" in page
+        assert f"would change: {N}" in page and f"Apply to {N}" in page
+        assert f'id="bulk-matched">{N}<' in page
+        # Another operator's session on the same console cannot use this preview.
+        bob = TestClient(app, base_url="http://127.0.0.1")
+        bob.post("/login", data={"token": BOB}, follow_redirects=False)
+        bob_csrf = re.search(r'name="csrf" value="([^"]+)"', bob.get("/queue").text)
+        assert bob_csrf
+        theirs = {**_apply_fields(page), "csrf": [bob_csrf.group(1)]}
+        refused = bob.post("/bulk", data=theirs)
+        assert refused.status_code == 400 and "that bulk preview is gone" in refused.text
         seen = []
+        replayed = False
         for _ in range(N // BULK_PAGE + 1):
-            fields: dict[str, list[str]] = {}
-            action = page[page.index('<form method="post" action="/bulk" class="card">'):]
-            for name, value in re.findall(r'name="([^"]+)" value="([^"]*)"', action):
-                fields.setdefault(name, []).append(value)
+            fields = _apply_fields(page)
             page = c.post("/bulk", data=fields).text
+            if not replayed:  # the same page posted twice (a double click, a reload)
+                replayed = True
+                again = c.post("/bulk", data=fields)
+                assert again.status_code == 400 and "already applied" in again.text
             progress = re.search(r'id="bulk-progress">(\d+) of (\d+) done<', page)
             assert progress, page[:2000]
             seen.append((int(progress.group(1)), int(progress.group(2))))
-            assert f"changed: {BULK_PAGE}" in page
+            before = seen[-2][0] if len(seen) > 1 else 0
+            assert f"changed: {seen[-1][0] - before}" in page
             if "Continue:" not in page:
                 break
-    assert seen == [(BULK_PAGE * (i + 1), N) for i in range(N // BULK_PAGE)]
+    pages = -(-N // BULK_PAGE)
+    assert seen == [(min(BULK_PAGE * (i + 1), N), N) for i in range(pages)]
     engine = create_engine(url)
     with engine.connect() as conn:
         states = dict(
@@ -98,3 +122,49 @@ def test_a_bulk_action_over_1000_operations_runs_in_pages_with_progress(
         details = json.loads(r.details)
         assert details["bulk"] == {"tenant": "acme", "view": "queue"}
         assert details["via"] == "console"
+
+
+def test_a_large_preview_is_read_a_page_per_request_before_the_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many operations match, no request previews more than ``PREVIEW_PAGE`` of
+    them (here 500 of 1,600): the page says how far the preview got, the apply waits for
+    its end, and a preview page posted twice reads nothing twice."""
+    import outbox.console.bulkviews
+
+    monkeypatch.setattr(outbox.console.bulkviews, "PREVIEW_PAGE", 500)
+    url = f"sqlite:///{tmp_path / 'o.sqlite3'}"
+    _build(url)
+    creds = Credentials.parse(f"alice:{TOKEN}\n", default_name="nobody", source="test")
+    with Outbox(url) as ob:
+        c = TestClient(create_app(ob, creds), base_url="http://127.0.0.1")
+        c.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        csrf = re.search(r'name="csrf" value="([^"]+)"', c.get("/queue").text)
+        assert csrf
+        form = {"csrf": csrf.group(1), "step": "preview", "view": "queue",
+                "action": "resolve", "outcome": "failed", "note": "supplier closed",
+                "tenant": "acme"}  # fmt: skip
+        page = c.post("/bulk", data=form).text
+        progress = []
+        while "Continue the preview" in page:
+            progress.append(re.search(r'id="preview-progress">([^<]+)<', page).group(1))  # type: ignore[union-attr]
+            fields = _apply_fields(page)
+            if len(progress) == 1:
+                early = c.post("/bulk", data={**fields, "step": ["apply"], "at": ["0"]})
+                assert early.status_code == 400 and "not finished" in early.text
+            page = c.post("/bulk", data=fields).text
+            if len(progress) == 1:
+                again = c.post("/bulk", data=fields)
+                assert again.status_code == 400 and "already read" in again.text
+        assert progress == [f"{n} of {N} previewed" for n in (500, 1000, 1500)]
+        assert f"would change: {N}" in page and f"Apply to {N}</button>" in page
+        assert f'id="bulk-matched">{N}<' in page
+        assert "The first 500 of 1600 are listed" in page
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(audit)).scalar_one() == 0
+        while "Apply to" in page or "Continue:" in page:
+            page = c.post("/bulk", data=_apply_fields(page)).text
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(audit)).scalar_one() == N
+        engine.dispose()
