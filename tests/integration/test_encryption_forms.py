@@ -221,3 +221,47 @@ def test_console_shows_a_sealed_forms_fields_only_with_the_key(make_ob: MakeOutb
     assert PLANTED in pages["with"] and "metadata[order]" in pages["with"]
     assert PLANTED not in pages["without"]
     assert "encrypted: key k1 not available" in pages["without"]
+
+
+KEYS_MODULE = """
+from outbox.base.keys import KeyRing
+FP = b"f" * 32
+old = KeyRing({"k1": b"1" * 32}, current="k1", fingerprint_key=FP)
+both = KeyRing({"k2": b"2" * 32, "k1": b"1" * 32}, current="k2", fingerprint_key=FP)
+new = KeyRing({"k2": b"2" * 32}, current="k2", fingerprint_key=FP)
+"""
+
+
+def test_outbox_keys_rotate_and_shred_cover_form_bodies(
+    make_ob: MakeOutbox, db_url: str, tmp_path: Path
+) -> None:
+    ob = make_ob(ring(k1=K1))
+    _form(ob, "cli-f")
+    _content(ob, "cli-c")
+    (tmp_path / "ringmod.py").write_text(KEYS_MODULE)
+
+    def outbox(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "outbox", "--db", db_url, *args],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              check=False)  # fmt: skip
+
+    rotated = outbox("keys", "rotate", "--keys", "ringmod:both", "--json")
+    assert rotated.returncode == 0, rotated.stderr
+    assert json.loads(rotated.stdout)["values_changed"] == 4  # headers and body_raw, twice
+    assert bytes(_row(ob, "cli-f").body_raw).startswith(b"sealed:1:k2:")
+    shown = outbox("show", "cli-c", "--keys", "ringmod:new", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["body_view"]["sha256"] == hashlib.sha256(RAW).hexdigest()
+    assert outbox("cancel", "cli-c", "--note", "test").returncode == 0
+    with ob.engine.begin() as conn:
+        conn.execute(operations.update().where(operations.c.operation_id == "cli-c")
+                     .values(finished_at=1))  # fmt: skip
+    shred = outbox("keys", "shred", "--older-than", "1d", "--keys", "ringmod:new", "--json")
+    assert shred.returncode == 0, shred.stderr
+    assert json.loads(shred.stdout)["values_changed"] == 2
+    assert bytes(_row(ob, "cli-c").body_raw).startswith(b"sealed:1:k2::")
+    gone = outbox("show", "cli-c", "--keys", "ringmod:new")
+    assert "encrypted: data key destroyed (key k2, shredded)" in gone.stdout
+    assert PLANTED not in gone.stdout
+    assert ("card", PLANTED) in parse_qsl((make_ob(ring(k2=K2)).get("cli-f").body_raw
+                                          or b"").decode())  # fmt: skip
