@@ -73,3 +73,27 @@ def test_the_cli_says_when_it_did_not_count_and_settled_counts_all(
     )
     assert none["counts"]["succeeded"] is None
     assert none["figures"]["settled_over_limit"] is None
+
+
+def test_past_the_default_limit_status_and_the_console_say_more_than(tmp_path: Path) -> None:
+    import html
+
+    from starlette.testclient import TestClient
+
+    from benchmarks.status_history import populate
+    from outbox.console import Credentials, create_app
+    from outbox.reconcile.status import SETTLED_COUNT_LIMIT
+
+    url = f"sqlite:///{tmp_path / 'history.sqlite3'}"
+    populate(url, SETTLED_COUNT_LIMIT + 1)  # settled rows, and a live backlog of 70
+    with Outbox(url) as box:
+        report = box.reconcile.status()
+        assert report.counts["succeeded"] is None and report.counts["pending"] == 50
+        assert report.figures.settled_over == SETTLED_COUNT_LIMIT
+        token = "alice-" + "a" * 20
+        creds = Credentials.parse(f"alice:{token}\n", default_name="nobody", source="test")
+        c = TestClient(create_app(box, creds), base_url="http://127.0.0.1")
+        assert c.post("/login", data={"token": token}, follow_redirects=False).status_code == 303
+        page = html.unescape(c.get("/").text)
+    assert f'>{SETTLED_COUNT_LIMIT}</span><span class="label">succeeded' in page
+    assert "None" not in page
