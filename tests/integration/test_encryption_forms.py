@@ -265,3 +265,30 @@ def test_outbox_keys_rotate_and_shred_cover_form_bodies(
     assert PLANTED not in gone.stdout
     assert ("card", PLANTED) in parse_qsl((make_ob(ring(k2=K2)).get("cli-f").body_raw
                                           or b"").decode())  # fmt: skip
+
+
+def test_the_sqlite_file_holds_no_plaintext_form(make_ob: MakeOutbox, db_url: str) -> None:
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the SQLite file's bytes")
+    ob = make_ob(ring(k1=K1))
+    for i in range(5):
+        _form(ob, f"file-f-{i}")
+        _content(ob, f"file-c-{i}")
+    ob.dispatch_once()
+    path = Path(make_url(db_url).database or "")
+    for f in (path, Path(str(path) + "-wal")):
+        assert PLANTED.encode() not in f.read_bytes(), f.name
+    ob.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert PLANTED.encode() not in path.read_bytes()
+    plain = make_ob(None)  # the check can fail: without keys the form is there
+    _form(plain, "plain-f")
+    plain.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert PLANTED.encode() in path.read_bytes()
