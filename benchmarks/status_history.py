@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -140,8 +141,13 @@ def time_library(url: str, *, schema: str | None, repeat: int) -> dict[str, Any]
 
 
 def time_status(url: str, *, schema: str | None, repeat: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="outbox-pyc-") as pycache:
+        return _time_status(url, schema=schema, repeat=repeat, pycache=pycache)
+
+
+def _time_status(url: str, *, schema: str | None, repeat: int, pycache: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env.update(OUTBOX_DB=url, PYTHONPYCACHEPREFIX=tempfile.mkdtemp(prefix="outbox-pyc-"))
+    env.update(OUTBOX_DB=url, PYTHONPYCACHEPREFIX=pycache)
     if schema:
         env["OUTBOX_SCHEMA"] = schema
     # One run first writes the bytecode cache (an installed package has one).
@@ -177,8 +183,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     schema = None
+    scratch = tempfile.mkdtemp(prefix="outbox-hist-")
     if args.dialect == "sqlite":
-        url = f"sqlite:///{tempfile.mkdtemp(prefix='outbox-hist-')}/history.db"
+        url = f"sqlite:///{scratch}/history.db"
     else:
         url = os.environ.get(
             "OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -197,6 +204,7 @@ def main() -> None:
         result.update(time_library(url, schema=schema, repeat=args.repeat))
         print(json.dumps(result))
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         if schema:
             engine = create_engine(url)
             with engine.begin() as conn:
