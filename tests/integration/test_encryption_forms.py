@@ -292,3 +292,24 @@ def test_the_sqlite_file_holds_no_plaintext_form(make_ob: MakeOutbox, db_url: st
     with sqlite3.connect(path) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert PLANTED.encode() in path.read_bytes()
+
+
+def test_every_enqueue_path_seals_forms(make_ob: MakeOutbox) -> None:
+    from outbox import Intent
+
+    ob = make_ob(ring(k1=K1))
+    ob.enqueue_many([Intent(endpoint="rx", method="POST", path="/f", data=FORM,
+                            form_style="stripe", operation_id=f"many-{i}")
+                     for i in range(2)])  # fmt: skip
+    with ob.engine.begin() as conn:  # the caller's own transaction
+        ob.enqueue(endpoint="rx", method="POST", path="/f", data=FORM, form_style="stripe",
+                   operation_id="joined-1", connection=conn)  # fmt: skip
+        ob.enqueue_many([Intent(endpoint="rx", method="POST", path="/f", content=RAW,
+                                content_type="application/xml", operation_id="joined-2")],
+                        connection=conn)  # fmt: skip
+    with ob.engine.connect() as conn:
+        raws = [bytes(r.body_raw) for r in conn.execute(select(operations.c.body_raw))]
+    assert len(raws) == 4
+    assert all(r.startswith(b"sealed:1:k1:") and PLANTED.encode() not in r for r in raws)
+    assert ob.get("joined-2").body_raw == RAW
+    assert ("card", PLANTED) in parse_qsl((ob.get("many-1").body_raw or b"").decode())
