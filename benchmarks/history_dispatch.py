@@ -59,11 +59,14 @@ def template(work: Path, rows: int) -> tuple[Path, Path, float]:
     return empty, hist, time.perf_counter() - started
 
 
-def _scraper(registry: Any, every_s: float, stop: threading.Event, counts: list[int]) -> None:
+def _scraper(registry: Any, every_s: float, stop: threading.Event, counts: list[int],
+             cpu_ms: list[float]) -> None:  # fmt: skip
     from prometheus_client import generate_latest
 
     while not stop.wait(every_s):
+        started = time.thread_time()
         generate_latest(registry)
+        cpu_ms.append((time.thread_time() - started) * 1000)
         counts[0] += 1
 
 
@@ -74,6 +77,7 @@ def run_variant(variant: str, db: Path, rx_url: str, n: int, *, concurrency: int
     ob = Outbox(f"sqlite:///{db}", endpoints=[endpoint(rx_url, concurrency=concurrency)])
     stop = threading.Event()
     scrapes = [0]
+    scrape_cpu_ms: list[float] = []
     thread = None
     try:
         if variant.startswith("history_"):
@@ -84,7 +88,9 @@ def run_variant(variant: str, db: Path, rx_url: str, n: int, *, concurrency: int
             ob.metrics(registry=registry, cache_seconds=5.0 if cached else 0.0)
             if "scrape" in variant:
                 thread = threading.Thread(
-                    target=_scraper, args=(registry, scrape_s, stop, scrapes), daemon=True
+                    target=_scraper,
+                    args=(registry, scrape_s, stop, scrapes, scrape_cpu_ms),
+                    daemon=True,
                 )
         preflight = _timed_preflight(ob.store)
         load(ob, n, f"hd-{uuid.uuid4().hex[:8]}-")
@@ -103,6 +109,9 @@ def run_variant(variant: str, db: Path, rx_url: str, n: int, *, concurrency: int
     return {
         "ops_per_s": n / seconds, "steady": n / (seconds - preflight[0]),
         "preflight_s": preflight[0], "cpu_ms_per_op": cpu * 1000 / n, "scrapes": scrapes[0],
+        # The scraping thread's own CPU per scrape (the figures' reads and the text).
+        "scrape_cpu_ms": statistics.median(scrape_cpu_ms) if scrape_cpu_ms else 0.0,
+        "cpu_ms_per_s": cpu * 1000 / seconds,
     }  # fmt: skip
 
 
@@ -164,7 +173,22 @@ def measure(rows: int, n: int, *, concurrency: int, repeat: int, scrape_ms: floa
         "scrape_cpu_vs_metrics": cpu["history_scrape"] / cpu["history_metrics"],
         "cached_scrape_vs_metrics": steady["history_scrape_cached"] / steady["history_metrics"],
         "cached_scrape_cpu_vs_metrics": cpu["history_scrape_cached"] / cpu["history_metrics"],
+        **scrape_share(runs, scrape_ms),
     }  # fmt: skip
+
+
+def scrape_share(runs: dict[str, list[dict[str, float]]], scrape_ms: float) -> dict[str, float]:
+    """One uncached scrape's CPU (the scraping thread's, median) against the CPU the
+    dispatcher spends in the same time (``history_metrics``' CPU per second): the share
+    of the dispatcher's work a scrape takes at this interval and at Prometheus's 15 s."""
+    each = statistics.median(x["scrape_cpu_ms"] for x in runs["history_scrape"])
+    per_s = statistics.median(x["cpu_ms_per_s"] for x in runs["history_metrics"])
+    return {
+        "scrape_cpu_ms": each,
+        "dispatcher_cpu_ms_per_s": per_s,
+        "scrape_share_at_interval": each * (1000 / scrape_ms) / per_s,
+        "scrape_share_at_15s": each / 15 / per_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  scrape every {args.scrape_ms:g} ms ({what}) / metrics: "
               f"{res[key + '_vs_metrics']:.3f}x throughput, "
               f"{res[key + '_cpu_vs_metrics']:.3f}x CPU (target cost <= 2%)")  # fmt: skip
+    print(f"  one uncached scrape: {res['scrape_cpu_ms']:.1f} CPU ms; the dispatcher "
+          f"{res['dispatcher_cpu_ms_per_s']:.0f} CPU ms/s; share at {args.scrape_ms:g} ms: "
+          f"{res['scrape_share_at_interval']:.2%}, "
+          f"at 15 s: {res['scrape_share_at_15s']:.3%}")  # fmt: skip
     print(json.dumps(res))
     return 0
 

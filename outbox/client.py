@@ -47,7 +47,7 @@ from outbox.store.commit import Key, OwnWrites, insert_and_commit
 from outbox.store.engine import outbox_engine
 from outbox.store.migrate import ensure_schema
 from outbox.store.rows import operation_row
-from outbox.store.sealing import Sealer
+from outbox.store.sealing import Sealer, looks_sealed
 from outbox.transaction import INSIDE_A_TRANSACTION, TransactionMethods, connection_of
 
 T = TypeVar("T")
@@ -320,6 +320,11 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             secret_headers=self.secret_headers,
             body=intent.body(),
         )
+        if args.body_raw is not None and looks_sealed(args.body_raw):
+            raise ValidationError(
+                "content= has the exact shape of an outbox-encrypted value "
+                "('sealed:1:<key>:<base64>:<base64>'); it would be read back as one"
+            )
         if self.keys is not None:  # an HMAC fingerprint: compared without decryption
             args = dataclasses.replace(args, args_sha256=self.keys.fingerprint(args.args_sha256))
         return Checked(op_id, tenant, ordering_key, scheduled(args, intent))
@@ -373,12 +378,6 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             traceparent=traceparent,
             policy=self._endpoints[args.endpoint].policy_snapshot(),
         )
-        if row.get("body_raw") is not None and self.store.sealer.on:
-            raise ValidationError(
-                "encryption at rest covers JSON bodies only (yet): a form (data=) or raw "
-                "(content=) body would be stored in the clear; send JSON, or enqueue "
-                "without keys="
-            )
         return self.store.sealer.seal_request(row)
 
     def _insert_checked_created(self, conn: Connection, checked: Checked) -> tuple[Operation, bool]:

@@ -92,8 +92,9 @@ def migrate(obj: Context) -> None:
 @click.option(
     "--settled/--no-settled",
     default=None,
-    help="Count the settled operations too (default: yes, except with --check). That "
-    "count reads the whole history; the other figures read the live rows only.",
+    help="Count all the settled operations (a read of the whole history), or none. "
+    "Default: count them up to 10000 (more: shown as not counted), none with --check; "
+    "the other figures read the live rows only.",
 )
 def status(
     obj: Context,
@@ -107,6 +108,8 @@ def status(
     settled: bool | None,
 ) -> None:
     """Counts per state, backlog per endpoint, reconciliation backlog, dispatchers."""
+    from outbox.reconcile.status import SETTLED_COUNT_LIMIT
+
     report = _reconciler(obj).status(
         max_unresolved=max_unresolved if check else None,
         max_pending_age=max_pending_age if check else None,
@@ -115,6 +118,7 @@ def status(
         require_dispatcher=check and dispatcher_check,
         max_unsendable=0 if check else None,
         settled=not check if settled is None else settled,
+        settled_limit=SETTLED_COUNT_LIMIT if settled is None else None,
     )
     if as_json:
         _emit_json(report.as_dict())
@@ -127,11 +131,16 @@ def status(
         for state, n in report.counts.items():
             table.add_row(state, "-" if n is None else str(n))
         out.print(table)
+        over = report.figures.settled_over
+        if over is not None:
+            out.print(
+                f"settled: more than {over}, not counted (outbox status --settled counts "
+                "them: a read of the whole history)",
+                markup=False,
+            )
         age = report.oldest_pending_age_seconds
         out.print(f"oldest pending: {'-' if age is None else f'{age:.1f}s'}")
-        reasons = ", ".join(
-            f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()) if v
-        )
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(report.unresolved_by_reason.items()) if v)
         out.print(
             f"reconciliation backlog: {sum(report.unresolved_by_reason.values())}"
             + (f" ({reasons})" if reasons else "")

@@ -33,7 +33,7 @@ from outbox.model import (
     ms_to_iso,
 )
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
-from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, watch
+from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, SETTLED_COUNT_LIMIT, watch
 from outbox.store.endpoints import Circuit
 from outbox.store.operator import OperatorSelection
 
@@ -241,6 +241,7 @@ class OperatorActions:
         require_dispatcher: bool = False,
         max_unsendable: int | None = None,
         settled: bool = True,
+        settled_limit: int | None = SETTLED_COUNT_LIMIT,
     ) -> StatusReport:
         """Counts and thresholds.
 
@@ -248,7 +249,9 @@ class OperatorActions:
         stopped) was seen within ``dispatcher_timeout``. ``max_unsendable``: pending
         operations no dispatcher can send (say, an endpoint none registered).
         ``settled=False``: the settled states' counts are not read (None), so the read
-        touches the live rows only, however long the history.
+        touches the live rows only, however long the history. ``settled_limit``: they are
+        counted only when there are at most that many (else None, and
+        ``figures.settled_over`` says so), a bounded read; None counts them all.
         """
         now = self.outbox.clock.now_ms()
         seen = watch(
@@ -257,6 +260,7 @@ class OperatorActions:
             dispatcher_timeout=dispatcher_timeout,
             near=near_expiry,
             settled=settled,
+            settled_limit=settled_limit,
         )
         fig = seen.figures
         age = fig.oldest_pending_age_seconds

@@ -19,6 +19,7 @@ from outbox.model import (
 )
 from outbox.reconcile.status import Figures, Watch, endpoint_state_dict
 from outbox.store.rows import AuditRecord
+from outbox.store.sealing import Sealed
 
 if TYPE_CHECKING:
     pass
@@ -179,6 +180,11 @@ class OperationReport:
         }
 
 
+def _opened(value: Any) -> Any:
+    """A body as JSON can carry it: an encrypted one no key here opens says so."""
+    return str(value) if isinstance(value, Sealed) else value
+
+
 def operation_dict(op: Operation) -> dict[str, Any]:
     """The stable JSON shape of an operation (the manual, "JSON shapes")."""
     result = None
@@ -186,7 +192,7 @@ def operation_dict(op: Operation) -> dict[str, Any]:
         result = {
             "status": op.result.status_code,
             "headers": op.result.headers,
-            "body": op.result.body,
+            "body": _opened(op.result.body),
             "body_sha256": op.result.body_sha256,
             "body_size": op.result.body_size,
             "truncated": op.result.truncated,
@@ -198,8 +204,10 @@ def operation_dict(op: Operation) -> dict[str, Any]:
         "method": op.method,
         "path": op.path,
         "headers": op.headers,
-        "body": op.body,
-        "body_view": body_view(op.content_type, op.body_bytes),
+        "body": _opened(op.body),
+        "body_view": {"kind": "encrypted", "note": str(op.body)}
+        if isinstance(op.body, Sealed)
+        else body_view(op.content_type, op.body_bytes),
         "state": op.state.value,
         "reason": op.reason.value if op.reason else None,
         "ordering_key": op.ordering_key,

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 DEFAULT_DISPATCHER_TIMEOUT = timedelta(seconds=30)
 #: How far before key expiry an operation counts as "near" it.
 NEAR_EXPIRY = timedelta(hours=1)
+#: ``outbox status`` counts the settled operations only up to this many (more: not
+#: counted, ``Figures.settled_over``), so its cost stays bounded however long the
+#: history; ``outbox status --settled`` counts them all.
+SETTLED_COUNT_LIMIT = 10_000
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,9 @@ class Figures:
     #: The same fleet state in detail, one row per endpoint that ever failed or was
     #: paused (:func:`endpoint_state_dict`): what ``outbox endpoint list`` prints.
     endpoint_states: list[EndpointState] = field(default_factory=list)
+    #: The settled count's limit when more settled operations than it exist (their
+    #: counts are then None, not read); None when counted, or not asked for.
+    settled_over: int | None = None
 
     def _sum(self, name: str) -> int:
         return sum(int(getattr(e, name)) for e in self.endpoints.values())
@@ -157,6 +164,7 @@ class Figures:
             "endpoints": {name: e.as_dict() for name, e in sorted(self.endpoints.items())},
             "attempts_per_minute": self.attempts_per_minute,
             "circuits": self.circuits,
+            "settled_over_limit": self.settled_over,
         }
 
 
@@ -166,8 +174,12 @@ def figures(
     now_ms: int,
     near: timedelta = NEAR_EXPIRY,
     settled: bool = True,
+    settled_limit: int | None = None,
 ) -> Figures:
-    """The operator figures of ``outbox`` as of ``now_ms`` (see :class:`Figures`)."""
+    """The operator figures of ``outbox`` as of ``now_ms`` (see :class:`Figures`).
+
+    ``settled_limit``: count the settled operations only if there are at most that
+    many (see :func:`outbox.store.monitoring.settled_counts`)."""
     retention = {
         name: int(e.key_retention.total_seconds() * 1000) for name, e in outbox.endpoints.items()
     }
@@ -182,11 +194,15 @@ def figures(
         counts[State.PENDING.value] = (counts[State.PENDING.value] or 0) + e.pending
         counts[State.IN_FLIGHT.value] = (counts[State.IN_FLIGHT.value] or 0) + e.in_flight
         counts[State.UNRESOLVED.value] = (counts[State.UNRESOLVED.value] or 0) + e.unresolved
-    if settled:
+    settled_over = None
+    found = monitoring.settled_counts(outbox.store, limit=settled_limit) if settled else None
+    if found is not None:
         for s in State:
             if s not in LIVE_STATES:
                 counts[s.value] = 0
-        counts.update(monitoring.settled_counts(outbox.store))
+        counts.update(found)
+    elif settled:
+        settled_over = settled_limit
     reasons = {r.value: 0 for r in Reason}
     reasons.update(snap.unresolved_by_reason)
     endpoints = {name: EndpointFigures() for name in outbox.endpoints}
@@ -219,6 +235,7 @@ def figures(
                                                                        since_ms=hour_ago)),
         circuits=_circuits(outbox, states),
         endpoint_states=states,
+        settled_over=settled_over,
     )  # fmt: skip
 
 
@@ -299,6 +316,7 @@ def watch(
     dispatcher_timeout: timedelta,
     near: timedelta = NEAR_EXPIRY,
     settled: bool = True,
+    settled_limit: int | None = None,
 ) -> Watch:
     timeout_ms = dispatcher_timeout.total_seconds() * 1000
     infos = []
@@ -311,6 +329,5 @@ def watch(
         else:
             state = "live"
         infos.append(DispatcherInfo(row, state, max(0.0, silent_ms / 1000)))
-    return Watch(
-        dispatchers=infos, figures=figures(outbox, now_ms=now_ms, near=near, settled=settled)
-    )
+    fig = figures(outbox, now_ms=now_ms, near=near, settled=settled, settled_limit=settled_limit)
+    return Watch(dispatchers=infos, figures=fig)

@@ -48,12 +48,11 @@ def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     :class:`Claimed`: by position, sealed columns opened, the stored headers decoded. A
     row this dispatcher cannot open (its key missing) carries the problem, and is not
     sent: the dispatcher puts it back with that reason, as it does a corrupt one."""
-    raw_headers, body, problem = sealer.for_sending(r[1], r[2], r[6], r[7])
+    raw_headers, body, raw, problem = sealer.for_sending(r[1], r[2], r[6], r[7], r[19])
     headers, corrupt = stored_headers(raw_headers)
     return Claimed(
         r[0], r[1], r[2], r[3], r[4], r[5], headers, body, r[8], r[9], bool(r[10]),
-        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem or corrupt,
-        bytes(r[19]) if r[19] is not None else None,
+        bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem or corrupt, raw,
     )  # fmt: skip
 
 

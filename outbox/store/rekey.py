@@ -13,10 +13,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 
 from outbox.model import TERMINAL_STATES, state_values
-from outbox.store.sealing import PREFIX, SEALED_COLUMNS, is_sealed, parts, shredded
+from outbox.store.sealing import (
+    PREFIX,
+    PREFIX_BYTES,
+    REQUEST_RAW,
+    SEALED_COLUMNS,
+    as_text,
+    is_sealed,
+    parts,
+    shredded,
+)
 from outbox.store.tables import operations
 
 if TYPE_CHECKING:
@@ -35,7 +44,11 @@ class RekeyReport:
 
 
 def _sealed_any() -> Any:
-    return or_(*(operations.c[c].like(PREFIX + "%") for c in SEALED_COLUMNS))
+    # A byte column (a form's or raw body) holds the same text as ASCII bytes: it starts
+    # with the prefix's bytes (LIKE is a text operator; substr works on both kinds).
+    n = len(PREFIX_BYTES)
+    return or_(*(func.substr(operations.c[c], 1, n) == PREFIX_BYTES if c in REQUEST_RAW
+                 else operations.c[c].like(PREFIX + "%") for c in SEALED_COLUMNS))  # fmt: skip
 
 
 def _batches(store: Store, where: Any, batch_size: int) -> Iterator[Sequence[Any]]:
@@ -55,7 +68,10 @@ def _batches(store: Store, where: Any, batch_size: int) -> Iterator[Sequence[Any
         yield rows
 
 
-def _apply(store: Store, changes: list[tuple[int, str, str, str]]) -> int:
+Stored = str | bytes
+
+
+def _apply(store: Store, changes: list[tuple[int, str, Stored, Stored]]) -> int:
     """Compare-and-set each (pk, column, old, new); how many took."""
     done = 0
     with store.write() as conn:
@@ -80,7 +96,7 @@ def _run(
     report = RekeyReport(by_key={})
     assert report.by_key is not None
     for rows in _batches(store, where, batch_size):
-        changes: list[tuple[int, str, str, str]] = []
+        changes: list[tuple[int, str, Stored, Stored]] = []
         for r in rows:
             report.rows_seen += 1
             mine = 0
@@ -88,11 +104,14 @@ def _run(
                 value = getattr(r, column)
                 if not is_sealed(value):
                     continue
-                kid = parts(value).key_id
+                text = as_text(value)
+                kid = parts(text).key_id
                 report.by_key[kid] = report.by_key.get(kid, 0) + 1
-                new = change(value)
+                new = change(text)
                 if new is not None:
-                    changes.append((r.id, column, value, new))
+                    old: Stored = text if isinstance(value, str) else bytes(value)
+                    changes.append((r.id, column, old, new if isinstance(value, str)
+                                    else new.encode("ascii")))  # fmt: skip
                     mine += 1
             report.rows_changed += 1 if mine else 0
         report.values_changed += len(changes) if dry_run else _apply(store, changes)

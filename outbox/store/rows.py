@@ -178,6 +178,10 @@ def operation_from_row(
             body_size=r.result_size or 0,
             truncated=bool(r.result_truncated),
         )
+    body = _opened_body(sealer.open_request(r, "body"))
+    raw = sealer.open_request_raw(r)
+    if isinstance(raw, Sealed):  # a sealed form or raw body, no key here: say which
+        body, raw = raw, None
     return Operation(
         pk=r.id,
         tenant=r.tenant,
@@ -186,7 +190,7 @@ def operation_from_row(
         method=r.method,
         path=r.path,
         headers=_opened_headers(sealer.open_request(r, "headers")),
-        body=_opened_body(sealer.open_request(r, "body")),
+        body=body,
         state=State(r.state),
         reason=Reason(r.reason) if r.reason else None,
         ordering_key=r.ordering_key,
@@ -205,7 +209,7 @@ def operation_from_row(
         policy=policy_from_row(r),
         priority=r.priority,
         not_before_ms=r.not_before,
-        body_raw=bytes(r.body_raw) if r.body_raw is not None else None,
+        body_raw=raw,
     )
 
 

@@ -10,10 +10,13 @@ column the plain value would have::
 
 so every body column, present or future, is sealed by adding it to :data:`REQUEST` or
 :data:`RESULT`; plain values (rows written before encryption was turned on) read as
-before, since canonical JSON never starts with ``s``. The associated data binds a
-ciphertext to its row and column: request columns to ``(tenant, operation_id)``, result
-columns to the row's primary key (written after the row exists). A value swapped into
-another row or column fails to open.
+before, since canonical JSON never starts with ``s``. The byte column of a form or raw
+body (:data:`REQUEST_RAW`) holds the same text as ASCII bytes; there a value counts as
+sealed only if it has that exact shape (:func:`looks_sealed`), and enqueue refuses a
+raw body of that shape, so a plain body is never mistaken for a sealed one. The
+associated data binds a ciphertext to its row and column: request columns to
+``(tenant, operation_id)``, result columns to the row's primary key (written after the
+row exists). A value swapped into another row or column fails to open.
 
 Rotation re-wraps the data key only (the ciphertext stays); shredding drops the wrapped
 data key (``sealed:1:<key id>::<ciphertext>``), after which nothing can open the value.
@@ -23,16 +26,23 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from outbox.base.keys import KeyRing, KeyUnavailableError, _aesgcm
 
 PREFIX = "sealed:1:"
+PREFIX_BYTES = PREFIX.encode("ascii")
 #: The columns sealed when an operation is written, and when its result is.
 REQUEST = ("headers", "body")
+#: Byte columns sealed with the request (a ``data=`` form's or ``content=`` body).
+REQUEST_RAW = ("body_raw",)
 RESULT = ("result_headers", "result_body")
-SEALED_COLUMNS = REQUEST + RESULT
+SEALED_COLUMNS = REQUEST + REQUEST_RAW + RESULT
+
+_B64 = rb"[A-Za-z0-9+/]*={0,2}"
+_SEALED_BYTES = re.compile(rb"sealed:1:[^:\s]+:" + _B64 + rb":" + _B64)
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,23 @@ class Parts:
     payload: bytes
 
 
+def looks_sealed(raw: bytes) -> bool:
+    """Whether bytes have the exact shape of a sealed value (the whole of them)."""
+    return raw.startswith(PREFIX_BYTES) and _SEALED_BYTES.fullmatch(raw) is not None
+
+
 def is_sealed(value: object) -> bool:
-    return isinstance(value, str) and value.startswith(PREFIX)
+    """A sealed text column's value, or a sealed byte column's (see :func:`looks_sealed`)."""
+    if isinstance(value, str):
+        return value.startswith(PREFIX)
+    if isinstance(value, bytes | memoryview):
+        return looks_sealed(bytes(value))
+    return False
+
+
+def as_text(value: str | bytes | memoryview) -> str:
+    """A sealed value as text, from either kind of column."""
+    return value if isinstance(value, str) else bytes(value).decode("ascii")
 
 
 def parts(value: str) -> Parts:
@@ -115,15 +140,18 @@ class Sealer:
             plain = values.get(column)
             if plain is None:
                 continue
+            data = bytes(plain) if isinstance(plain, bytes | memoryview) else plain.encode()
             nonce = os.urandom(12)
-            payload = nonce + aes.encrypt(nonce, plain.encode("utf-8"), extra)
-            out[column] = _text(Parts(key_id, wrapped, payload))
+            text = _text(Parts(key_id, wrapped, nonce + aes.encrypt(nonce, data, extra)))
+            out[column] = text.encode("ascii") if column in REQUEST_RAW else text
         return out
 
     def seal_request(self, row: dict[str, Any]) -> dict[str, Any]:
-        """A new operation row with its request columns sealed (unchanged when off)."""
+        """A new operation row with its request columns (text and bytes) sealed, all
+        under one data key (unchanged when off)."""
         t, o = row["tenant"], row["operation_id"]
-        return self._seal(row, {c: request_aad(t, o, c) for c in REQUEST if c in row})
+        columns = [c for c in REQUEST + REQUEST_RAW if c in row]
+        return self._seal(row, {c: request_aad(t, o, c) for c in columns})
 
     def seal_result(self, pk: int, values: dict[str, Any]) -> dict[str, Any]:
         """Result columns (``result_headers``/``result_body`` keys) of row ``pk``, sealed."""
@@ -139,6 +167,18 @@ class Sealer:
         """
         if value is None or not is_sealed(value):
             return value
+        plain = self._decrypt(value, aad)
+        return plain if isinstance(plain, Sealed) else plain.decode("utf-8")
+
+    def open_raw(self, value: bytes | memoryview | None, aad: bytes) -> bytes | Sealed | None:
+        """:meth:`open` for a byte column: the plain bytes, or :class:`Sealed`."""
+        if value is None:
+            return None
+        if not is_sealed(value):
+            return bytes(value)
+        return self._decrypt(as_text(value), aad)
+
+    def _decrypt(self, value: str, aad: bytes) -> bytes | Sealed:
         p = parts(value)
         if not p.wrapped:
             return Sealed(p.key_id, shredded=True)
@@ -154,31 +194,43 @@ class Sealer:
                 "encrypted value does not belong to this row and column (moved or altered)",
                 key_id=p.key_id,
             ) from exc
-        return bytes(plain).decode("utf-8")
+        return bytes(plain)
 
     def open_request(self, r: Any, column: str) -> str | Sealed | None:
         return self.open(getattr(r, column), request_aad(r.tenant, r.operation_id, column))
+
+    def open_request_raw(self, r: Any) -> bytes | Sealed | None:
+        """A row's form or raw body (``body_raw``), opened."""
+        return self.open_raw(r.body_raw, request_aad(r.tenant, r.operation_id, "body_raw"))
 
     def open_result(self, r: Any, column: str) -> str | Sealed | None:
         return self.open(getattr(r, column), result_aad(r.id, column))
 
     def for_sending(
-        self, tenant: str, operation_id: str, headers: str, body: str | None
-    ) -> tuple[str | None, str | None, str | None]:
-        """A claimed row's request headers and body as text, and None; or, when this
-        process cannot open them, none and the reason (the dispatcher will not send)."""
-        if not (is_sealed(headers) or is_sealed(body)):
-            return headers, body, None
+        self,
+        tenant: str,
+        operation_id: str,
+        headers: str,
+        body: str | None,
+        body_raw: bytes | memoryview | None = None,
+    ) -> tuple[str | None, str | None, bytes | None, str | None]:
+        """A claimed row's request headers and body as text, its raw body as bytes, and
+        None; or, when this process cannot open them, none and the reason (the
+        dispatcher will not send)."""
+        raw = bytes(body_raw) if body_raw is not None else None
+        if not (is_sealed(headers) or is_sealed(body) or is_sealed(raw)):
+            return headers, body, raw, None
         try:
             opened = [self.open(v, request_aad(tenant, operation_id, c))
                       for c, v in (("headers", headers), ("body", body))]  # fmt: skip
+            opened_raw = self.open_raw(raw, request_aad(tenant, operation_id, "body_raw"))
         except KeyUnavailableError as exc:
-            return None, None, f"{exc} (in this dispatcher)"
-        texts = [v for v in opened if not isinstance(v, Sealed)]
-        if len(texts) < len(opened):
-            missing = next(v for v in opened if isinstance(v, Sealed))
-            return None, None, f"{missing} (in this dispatcher's key ring)"
-        return texts[0], texts[1], None
+            return None, None, None, f"{exc} (in this dispatcher)"
+        missing = [v for v in (*opened, opened_raw) if isinstance(v, Sealed)]
+        if missing:
+            return None, None, None, f"{missing[0]} (in this dispatcher's key ring)"
+        h, b = (v for v in opened if not isinstance(v, Sealed))
+        return h, b, opened_raw if not isinstance(opened_raw, Sealed) else None, None
 
     # -- rotation and shredding ---------------------------------------------------
 
