@@ -73,6 +73,9 @@ class CheckReport:
     strict: bool = False
     #: What the answers had in common, when the run decided nothing (see ``cause_of``).
     cause: str | None = None
+    #: The probe body's form as sent: ``json``, ``form`` or ``raw``, and its media type.
+    body_kind: str = "json"
+    content_type: str = "application/json"
 
     @property
     def decided_nothing(self) -> bool:
@@ -112,6 +115,8 @@ class CheckReport:
             "method": self.method,
             "path": self.path,
             "tenant": self.tenant,
+            "body_kind": self.body_kind,
+            "content_type": self.content_type,
             "ok": self.ok,
             "strict": self.strict,
             "decided_nothing": self.decided_nothing,
@@ -129,7 +134,11 @@ class CheckReport:
         width = max(len(v.name) for v in self.verdicts) if self.verdicts else 0
         out = [
             f"receiver check: endpoint {self.endpoint!r} at {self.base_url}, "
-            f"{self.method} {self.path}" + (f", tenant {self.tenant!r}" if self.tenant else ""),
+            f"{self.method} {self.path}"
+            + (f", tenant {self.tenant!r}" if self.tenant else "")
+            + (
+                f", {self.body_kind} body ({self.content_type})" if self.body_kind != "json" else ""
+            ),
         ]
         out += [f"{v.mark}  {v.name:<{width}}  {v.summary}" for v in self.verdicts]
         passed = sum(1 for v in self.verdicts if v.passed is True)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 _NOT_ACCEPTED = (
     "the first probe was not accepted ({status}), so nothing could be checked: "
-    "fix --path, --method or --json-body"
+    "fix --path, --method or the probe body (--json-body, --form-body, --content)"
 )
 
 
