@@ -21,6 +21,7 @@ from click.testing import CliRunner, Result
 from outbox import Endpoint, Outbox
 from outbox.checker import check_receiver
 from outbox.cli import main
+from outbox.config import StatusLookup
 from outbox.errors import ValidationError
 from outbox.testing.receiver import Receiver
 
@@ -51,9 +52,12 @@ def stripe(tmp_path: Path) -> Iterator[Receiver]:
 
 
 def _outbox(tmp_path: Path, rx: Receiver) -> Outbox:
+    endpoint = Endpoint(
+        name="stripe", base_url=rx.url, timeout=5.0, probe_safe=True,
+        status_lookup=StatusLookup(),
+    )  # fmt: skip
     return Outbox(
-        f"sqlite:///{tmp_path / f'outbox-{uuid.uuid4().hex[:8]}.sqlite3'}",
-        endpoints=[Endpoint(name="stripe", base_url=rx.url, timeout=5.0, probe_safe=True)],
+        f"sqlite:///{tmp_path / f'outbox-{uuid.uuid4().hex[:8]}.sqlite3'}", endpoints=[endpoint]
     )
 
 
