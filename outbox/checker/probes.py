@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from outbox.canonical import Body, canonical_json, canonical_json_text, canonicalize
+from outbox.classify import REPLAY_HEADERS
 from outbox.errors import ValidationError
 from outbox.forms import FORM_CONTENT_TYPE, encode_form, encode_pairs
 from outbox.model import LookupResult, Verdict
@@ -63,7 +64,7 @@ class Probe:
         text = self.body.decode("utf-8", errors="replace")
         kept: dict[str, str] = {}
         if self.headers is not None:
-            for name in (self.request_id_header, "idempotent-replayed", "retry-after"):
+            for name in (self.request_id_header, *REPLAY_HEADERS, "retry-after"):
                 if name in self.headers:
                     kept[name] = clean_message(self.headers[name], 200)
         return {

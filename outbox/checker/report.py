@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from outbox.classify import REPLAY_HEADERS
+
 if TYPE_CHECKING:
     pass
 
@@ -96,11 +98,17 @@ _LABELS = {
 }
 
 
+_REPLAY_HEADERS = frozenset(h.lower() for h in REPLAY_HEADERS)
+
+
 def _probe_words(label: str, probe: dict[str, Any]) -> str:
     answer = probe.get("status") or f"no response ({probe.get('error')})"
     words = f"{_LABELS.get(label, label)}: request {probe.get('request_id_sent')} got {answer}"
     headers = probe.get("headers") or {}
-    if any(h.lower() == "idempotent-replayed" for h in headers):
+    if any(
+        h.lower() in _REPLAY_HEADERS and str(v).strip().lower() in ("true", "1", "yes")
+        for h, v in headers.items()
+    ):
         words += ", marked as a replay"
     return words
 
