@@ -22,6 +22,8 @@ answer                    reading
                           the bare word "conflict" does not)
 408, 425, 429, 503        retry, refused before work
 500, 502, 504, other 5xx  retry, may have been applied
+5xx + replay marker       a stored failure replayed (``Idempotent-Replayed: true``):
+                          it will never change, so no retry (``outcome_unknown``)
 other 4xx, 1xx, 3xx       failed (redirects are never followed)
 ========================  ==========================================================
 
@@ -109,6 +111,24 @@ def declared_retention(headers: httpx.Headers | None) -> timedelta | None:
     return timedelta(seconds=int(value.strip()))
 
 
+#: Headers by which a receiver marks an answer as the replay of the stored result of an
+#: earlier request with the same key (Stripe's and the test receiver's first; the same
+#: names ``Endpoint.evidence_headers`` keeps by default).
+REPLAY_HEADERS = ("Idempotent-Replayed", "Idempotency-Replayed", "X-Idempotent-Replayed")
+_TRUE = frozenset({"true", "1", "yes"})
+
+
+def replay_marker(headers: httpx.Headers | None) -> str | None:
+    """The replay marker an answer carries (``"Idempotent-Replayed: true"``), or None."""
+    if headers is None:
+        return None
+    for name in REPLAY_HEADERS:
+        value = headers.get(name)
+        if value is not None and value.strip().lower() in _TRUE:
+            return f"{name}: {value.strip()}"
+    return None
+
+
 def parse_retry_after(value: str | None, now_ms: int) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date).
 
@@ -142,6 +162,9 @@ class Classification:
     #: The receiver refused before doing any work (503, 429, ...).
     refused: bool = False
     retry_after_seconds: float | None = None
+    #: A 5xx the receiver marks as the replay of the result it stored for this key: every
+    #: retry would get it again, so the policy stops at once (``outcome_unknown``).
+    replayed_failure: bool = False
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -231,6 +254,11 @@ def classify_response(
                 maybe_applied=True,
                 retry_after_seconds=retry_after,
             )
+    if status >= 500 and replay_marker(response.headers) is not None:
+        # A stored failure, replayed: the key is bound to it for the receiver's retention.
+        return Classification(
+            Verdict.RETRY, Delivery.SENT, maybe_applied=True, replayed_failure=True
+        )
     family = StatusFamily.of(status)
     if family is StatusFamily.REFUSAL:
         return Classification(
@@ -252,9 +280,11 @@ __all__ = [
     "IN_PROGRESS_STATUS",
     "MAYBE_APPLIED_STATUSES",
     "REFUSAL_STATUSES",
+    "REPLAY_HEADERS",
     "STALE_MARKERS",
     "Classification",
     "body_reading",
     "classify_response",
     "is_key_mismatch",
+    "replay_marker",
 ]

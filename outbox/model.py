@@ -116,6 +116,9 @@ class ErrorClass(enum.StrEnum):
     OPERATION_UNSENDABLE = "OperationUnsendable"
     #: The endpoint's own classifier raised; the attempt's outcome is unknown.
     CLASSIFIER_FAILED = "ClassifierFailed"
+    #: A 5xx marked as the replay of the result the receiver stored for the key
+    #: (``Idempotent-Replayed: true``): no retry can change it.
+    STORED_FAILURE_REPLAYED = "StoredFailureReplayed"
 
 
 #: Statuses of a receiver that refused before doing any work: sending again is safe.

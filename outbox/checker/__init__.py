@@ -24,10 +24,15 @@ would, and reports one verdict per property:
     The same key under two tenants is two operations, the way the endpoint declares it
     scopes tenants (header, key prefix or per-tenant credentials).
 
-Each verdict is passed (True), failed (False) or could not tell (None), with the status
-codes, truncated bodies and header values it rests on. With ``strict`` an undecided
-verdict also makes the exit code non-zero. The probes create real effects,
-so the check refuses an endpoint not marked ``probe_safe=True`` unless told
+Each verdict is passed (True), failed (False) or undecided (None), with the request IDs,
+status codes, truncated bodies and header values it rests on (``evidence``, and in words
+``rests_on``). An undecided verdict is either "could not tell" (ambiguous answers) or
+"not observed" (``observed=False``): a property the answers cannot show, such as one
+effect behind answers that look like replays, with nothing (a status lookup) to count
+effects by; such a property is never passed. A run that decided nothing fails; with
+``strict`` any undecided verdict does. The probe body takes the form the endpoint's
+operations use (``json_body``, form ``data`` or raw ``content``). The probes create real
+effects, so the check refuses an endpoint not marked ``probe_safe=True`` unless told
 ``allow_unsafe=True``. Passing proves nothing about production: it is one test receiver,
 probed a few times, at one moment.
 """

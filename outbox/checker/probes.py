@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -10,7 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from outbox.canonical import canonical_json_text
+from outbox.canonical import Body, canonical_json, canonical_json_text, canonicalize
+from outbox.classify import REPLAY_HEADERS
+from outbox.errors import ValidationError
+from outbox.forms import FORM_CONTENT_TYPE, encode_form, encode_pairs
 from outbox.model import LookupResult, Verdict
 from outbox.wire.exchange import clean_message, exchange
 from outbox.wire.lookup import lookup_status
@@ -60,7 +64,7 @@ class Probe:
         text = self.body.decode("utf-8", errors="replace")
         kept: dict[str, str] = {}
         if self.headers is not None:
-            for name in (self.request_id_header, "idempotent-replayed", "retry-after"):
+            for name in (self.request_id_header, *REPLAY_HEADERS, "retry-after"):
                 if name in self.headers:
                     kept[name] = clean_message(self.headers[name], 200)
         return {
@@ -82,7 +86,9 @@ class Prober:
         method: str,
         path: str,
         tenant: str,
+        content_type: str = "application/json",
     ) -> None:
+        self.content_type = content_type
         self.client = client
         self.endpoint = endpoint
         self.method = method
@@ -94,7 +100,7 @@ class Prober:
         try:
             headers = request_headers(
                 self.endpoint,
-                stored_headers={},
+                stored_headers={"content-type": self.content_type},
                 operation_id=key,
                 request_id=request_id,
                 tenant=self.tenant,
@@ -153,6 +159,104 @@ def changed_payload(body: Any) -> tuple[Any, str]:
     if isinstance(body, list):
         return [*body, "outbox-probe-changed"], "appended an element"
     return {"value": body, "outbox_probe_variant": "changed"}, "wrapped the body in an object"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeBody:
+    """The probe operation's body in the form the endpoint's operations use: the bytes
+    sent, their content type, and the same request with one argument changed."""
+
+    #: ``json``, ``form`` or ``raw``.
+    kind: str
+    content: bytes
+    content_type: str
+    changed: bytes
+    changed_how: str
+
+
+def probe_body(
+    *,
+    endpoint: str,
+    method: str,
+    path: str,
+    json_body: Any = None,
+    data: Any = None,
+    form_style: str = "flat",
+    content: bytes | None = None,
+    content_type: str | None = None,
+    secret_headers: tuple[str, ...] = (),
+) -> ProbeBody:
+    """Encode the probe body exactly as ``enqueue`` would store it (the same validation:
+    one body form, a credential in a form field refused, a content type for raw bytes);
+    :class:`ValidationError` otherwise."""
+    given = [n for n, v in (("json", json_body), ("data", data), ("content", content))
+             if v is not None]  # fmt: skip
+    if len(given) != 1:
+        raise ValidationError(
+            "give the probe exactly one body: a JSON body, form fields (data) or raw "
+            f"content with its content type (got {given or 'none'})"
+        )
+    args = canonicalize(
+        endpoint=endpoint,
+        method=method,
+        path=path,
+        json_body=json_body,
+        headers=None,
+        max_body_bytes=_MAX_BODY,
+        secret_headers=secret_headers,
+        body=Body(json=json_body, data=data, content=content, content_type=content_type,
+                  form_style=form_style),
+    )  # fmt: skip
+    if json_body is not None:
+        changed, how = changed_payload(json_body)
+        assert args.body_json is not None
+        return ProbeBody("json", args.body_json.encode(), "application/json",
+                         canonical_json(changed).encode(), how)  # fmt: skip
+    assert args.body_raw is not None
+    if data is not None:
+        pairs, _ = encode_form(data, form_style=form_style)
+        changed_pairs, how = changed_fields(pairs)
+        return ProbeBody("form", args.body_raw, FORM_CONTENT_TYPE,
+                         encode_pairs(changed_pairs).encode("ascii"), how)  # fmt: skip
+    changed_raw, how = changed_content(args.body_raw)
+    return ProbeBody("raw", args.body_raw, args.headers["content-type"], changed_raw, how)
+
+
+def changed_fields(pairs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str]:
+    """Form fields with one value changed, in their order: the first number incremented
+    (``amount=2000`` -> ``2001``), else the first non-empty value extended, else a field
+    added."""
+    for i, (name, value) in enumerate(pairs):
+        if value.isascii() and value.isdigit():
+            bumped = str(int(value) + 1).zfill(len(value))
+            return [*pairs[:i], (name, bumped), *pairs[i + 1 :]], f"{name}: {value} -> {bumped}"
+    for i, (name, value) in enumerate(pairs):
+        if value:
+            return (
+                [*pairs[:i], (name, value + "-changed"), *pairs[i + 1 :]],
+                f"{name}: {value!r} -> changed",
+            )
+    return [*pairs, ("outbox_probe_variant", "changed")], "added field outbox_probe_variant"
+
+
+#: A number that is an element's text (``<amount>2000</amount>``), else any number.
+_ELEMENT_NUMBER = re.compile(rb">\s*([0-9]+)\s*<")
+_NUMBER = re.compile(rb"([0-9]+)")
+
+
+def changed_content(content: bytes) -> tuple[bytes, str]:
+    """Raw bytes with one argument changed: the first number that is an element's text
+    incremented (an amount in an XML document; never its ``version="1.0"``), else the
+    first number, else a newline appended (a receiver that normalises whitespace may
+    read that as the same request)."""
+    found = _ELEMENT_NUMBER.search(content) or _NUMBER.search(content)
+    if found is None:
+        return content + b"\n", "appended a newline (the content has no number to change)"
+    old = found.group(1)
+    new = str(int(old) + 1).zfill(len(old)).encode()
+    at = found.start(1)
+    changed = content[:at] + new + content[found.end(1) :]
+    return changed, f"the number at byte {at}: {old.decode()} -> {new.decode()}"
 
 
 def probe_key(fits: Callable[[str], bool] | None = None) -> str:

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from outbox.canonical import canonical_json, check_tenant
+from outbox.canonical import check_tenant
 from outbox.checker.probes import (
     PROBE_TENANTS,
     Observed,
     Probe,
     Prober,
-    changed_payload,
+    probe_body,
     probe_key,
 )
 from outbox.checker.report import CheckReport, cause_of
@@ -48,7 +48,7 @@ async def check_receiver_async(
     *,
     endpoint: str,
     path: str,
-    json_body: Any,
+    json_body: Any = None,
     method: str = "POST",
     tenant: str = "",
     retention_delay: float = 2.0,
@@ -56,15 +56,24 @@ async def check_receiver_async(
     allow_unsafe: bool = False,
     strict: bool = False,
     probe_tenants: tuple[str, str] = PROBE_TENANTS,
+    data: Any = None,
+    form_style: str = "flat",
+    content: bytes | None = None,
+    content_type: str | None = None,
 ) -> CheckReport:
     """Probe ``endpoint``'s receiver and report one verdict per idempotency property.
 
     Sends about ``concurrency + 7`` requests with fresh ``outbox-probe-`` keys (and a
     few status lookups when the endpoint has a ``status_lookup``); takes at least
-    ``retention_delay`` seconds. Nothing is written to the outbox's database. Raises
+    ``retention_delay`` seconds. The probe body is given as ``enqueue`` takes it, in the
+    form the endpoint's operations use: ``json_body``, form fields ``data`` (with
+    ``form_style``) or raw ``content`` with its ``content_type``; exactly one. It is
+    encoded and validated as ``enqueue`` would encode it, and the changed-payload probe
+    changes one argument in that form (a number first). Nothing is written to the
+    outbox's database. Raises
     :class:`UnsafeProbeRefused`, before sending anything, for an endpoint not marked
     ``probe_safe`` unless ``allow_unsafe``; :class:`ConfigurationError` for an unknown
-    endpoint; :class:`ValidationError` for a bad path, method or body.
+    endpoint; :class:`ValidationError` for a bad path, method or body (none or two).
 
     ``check_receiver`` (same parameters) runs it in an event loop of its own;
     ``check_receiver_async`` is for callers already inside one.
@@ -94,9 +103,13 @@ async def check_receiver_async(
     for probe_tenant in probe_tenants:
         check_tenant(probe_tenant)
     method = method.upper()
-    body = canonical_json(json_body).encode()
-    changed, changed_how = changed_payload(json_body)
-    changed_body = canonical_json(changed).encode()
+    probe = probe_body(
+        endpoint=ep.name, method=method, path=path, json_body=json_body, data=data,
+        form_style=form_style, content=content, content_type=content_type,
+        secret_headers=outbox.secret_headers,
+    )  # fmt: skip
+    body, changed_body, changed_how = probe.content, probe.changed, probe.changed_how
+    ct = probe.content_type
 
     def fits(key: str) -> bool:  # the endpoint's key_pattern, on the key as sent
         pattern = ep.key_pattern
@@ -112,7 +125,7 @@ async def check_receiver_async(
         keys["tenants"] = probe_key(fits)
     factory = outbox.transport_factory
     async with build_client(ep, factory(ep) if factory else None) as client:
-        p = Prober(client, ep, method=method, path=path, tenant=tenant)
+        p = Prober(client, ep, method=method, path=path, tenant=tenant, content_type=ct)
         # The retention probe goes first; its delay runs while the other checks do.
         retained_first = await p.send(keys["retained"], body)
         retained_sent = time.monotonic()
@@ -126,7 +139,10 @@ async def check_receiver_async(
         burst_after = await p.send(keys["burst"], body)
         tenant_probes: tuple[Probe, Probe] | None = None
         if "tenants" in keys:
-            a, b = (Prober(client, ep, method=method, path=path, tenant=t) for t in probe_tenants)
+            a, b = (
+                Prober(client, ep, method=method, path=path, tenant=t, content_type=ct)
+                for t in probe_tenants
+            )
             tenant_probes = (
                 await a.send(keys["tenants"], body),
                 await b.send(keys["tenants"], body),
@@ -174,6 +190,8 @@ async def check_receiver_async(
         probe_keys=tuple(keys.values()),
         retention_delay_seconds=retention_delay,
         strict=strict,
+        body_kind=probe.kind,
+        content_type=ct,
         cause=cause_of(
             [
                 (q.status, q.body, q.error)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 _NOT_ACCEPTED = (
     "the first probe was not accepted ({status}), so nothing could be checked: "
-    "fix --path, --method or --json-body"
+    "fix --path, --method or the probe body (--json-body, --form-body, --content)"
 )
 
 
@@ -25,30 +25,34 @@ def _settle(
     evidence: dict[str, Any],
     lookup: LookupResult | None,
     *,
-    told_apart: bool,
     applied: str,
     not_applied: str,
-    undecided: str,
-    effects_told_apart: str | None = None,
+    unobserved: str,
 ) -> CheckVerdict:
     """The ending every effect-counting verdict shares, once the answers themselves did
     not decide: the receiver's status lookup decides when it can (the key applied:
-    passed; unknown to it: failed); else results that tell effects apart (a new key got a
-    different result) pass, said as ``effects_told_apart`` (default: as ``applied``); else
-    the verdict is undecided."""
+    passed; unknown to it: failed). Else the property was not observed: answers that
+    look right (the same result again, one result for a burst) are what a receiver that
+    runs the handler every time and answers with its first stored response gives too,
+    so without a way to count effects they are never a PASS."""
     if lookup is not None and lookup.status is LookupStatus.APPLIED:
         return CheckVerdict(name, True, applied, evidence)
     if lookup is not None and lookup.status is LookupStatus.NOT_APPLIED:
         return CheckVerdict(name, False, not_applied, evidence)
-    if told_apart:
-        return CheckVerdict(name, True, effects_told_apart or applied, evidence)
-    return CheckVerdict(name, None, undecided, evidence)
+    return CheckVerdict(name, None, unobserved, evidence, observed=False)
+
+
+def _no_count(lookup: LookupResult | None) -> str:
+    """Why effects were not counted."""
+    if lookup is None:
+        return "no status_lookup is configured to count them by"
+    return f"the status lookup could not tell ({lookup.detail})"
 
 
 def same_key_same_result(o: Observed) -> CheckVerdict:
     name = "same_key_same_result"
     lookup = o.lookups.get("same_key")
-    evidence = {
+    evidence: dict[str, Any] = {
         "first": o.first.evidence(),
         "second": o.again.evidence(),
         "status_lookup": lookup_evidence(lookup),
@@ -81,24 +85,23 @@ def same_key_same_result(o: Observed) -> CheckVerdict:
             f"{o.again.status}): the second request was applied as a new operation",
             evidence,
         )
-    why = (
-        "no status_lookup is configured"
-        if lookup is None
-        else f"the status lookup could not tell ({lookup.detail})"
+    told = (
+        "results identify effects: a new key got a different one"
+        if o.discriminating
+        else "a new key got an equal result, so results do not identify effects"
     )
+    evidence["compared"] = f"the two answers' bodies: equal; {told}"
     return _settle(
         name,
         evidence,
         lookup,
-        told_apart=o.discriminating,
         applied="the same result twice, and the receiver's status lookup holds one applied "
         "operation under the key",
         not_applied="the same result twice, but the status lookup has no record of the key: "
         "the receiver does not keep a receipt for it",
-        effects_told_apart=f"the same result twice (results identify effects: a new key got "
-        f"a different one); could not count effects ({why})",
-        undecided=f"the same result twice, but results do not identify effects (a new key "
-        f"got an equal one) and {why}: could not count effects",
+        unobserved=f"not observed: the same result twice ({told}), but whether the second "
+        f"request ran the operation again cannot be seen in an answer, and "
+        f"{_no_count(lookup)}",
     )
 
 
@@ -191,14 +194,14 @@ def new_key_new_operation(o: Observed) -> CheckVerdict:
             name,
             evidence,
             lookup,
-            told_apart=False,  # an equal result tells nothing apart
             applied="a new key with the same payload got an equal result, and the status "
             "lookup holds it as an operation of its own",
             not_applied="a new key with the same payload got the first result and the status "
             "lookup has no record of it: the receiver deduplicates by payload, so two "
             "intents with equal arguments would be one",
-            undecided="a new key with the same payload got an equal result: either results "
-            "do not identify effects or the receiver deduplicates by payload; could not tell",
+            unobserved="not observed: a new key with the same payload got an equal result: "
+            "either results do not identify effects or the receiver deduplicates by payload, "
+            f"and {_no_count(lookup)}",
         )
     if b.status is not None and 400 <= b.status < 500:
         return CheckVerdict(
@@ -261,20 +264,19 @@ def replay_fresh_request_id(o: Observed, same_key: CheckVerdict) -> CheckVerdict
         )
     if echoed_again == o.again.request_id:
         return CheckVerdict(name, True, f"the replay carried this attempt's {header}", evidence)
-    if echoed_again is None and echoed_first == o.first.request_id:
+    if echoed_again is None:
+        # The property is "the replay carries this attempt's request ID": a replay that
+        # carries none is observed not to, whether or not the first answer did.
+        also = (
+            ", although the first answer echoed the caller's"
+            if echoed_first == o.first.request_id
+            else " (nor on the first answer: the receiver echoes none)"
+        )
         return CheckVerdict(
             name,
             False,
-            f"no {header} on the replay, although the first answer echoed the caller's: "
-            "a replay cannot be tied to the attempt that received it",
-            evidence,
-        )
-    if echoed_again is None:
-        return CheckVerdict(
-            name,
-            None,
-            f"no {header} on the replay (nor on the first answer): the receiver does not "
-            "echo it, so could not tell",
+            f"no {header} on the replay{also}: a replay cannot be tied to the attempt that "
+            "received it",
             evidence,
         )
     if echoed_first != o.first.request_id:
@@ -344,12 +346,12 @@ def concurrent_duplicates(o: Observed) -> CheckVerdict:
         name,
         evidence,
         lookup,
-        told_apart=o.discriminating,
-        applied=one_result,
+        applied=one_result + ", and the status lookup holds one applied operation",
         not_applied=f"{n} concurrent requests got one result ({tally}), but the status "
         "lookup has no record of the key",
-        undecided=f"{n} concurrent requests got one result ({tally}), but results do not "
-        "identify effects and there is no status lookup: could not count effects",
+        unobserved=f"not observed: {n} concurrent requests with one key got one result "
+        f"({tally}), but a receiver that ran each of them and answered with the first "
+        f"stored result would answer the same, and {_no_count(lookup)}",
     )
 
 
@@ -368,7 +370,7 @@ def key_retained(o: Observed, endpoint: Endpoint) -> CheckVerdict:
         "a hint only: the endpoint assumes keys are kept "
         f"{_duration(endpoint.key_retention.total_seconds())}"
     )
-    evidence = {
+    evidence: dict[str, Any] = {
         "delay_seconds": o.delay,
         "first": first.evidence(),
         "after_delay": again.evidence(),
@@ -400,6 +402,28 @@ def key_retained(o: Observed, endpoint: Endpoint) -> CheckVerdict:
     forgotten = f"after {o.delay:g}s the status lookup no longer knows the key ({hint})"
     if lookup is not None and lookup.status is LookupStatus.NOT_APPLIED:
         return CheckVerdict(name, False, forgotten, evidence)
+    repeat = o.again  # the immediate repeat of another key (same_key_same_result's)
+    if (
+        again.status is not None
+        and not o.replayed(again)
+        and o.first.ok
+        and not o.replayed(repeat)
+        and repeat.status == again.status
+        and reading(repeat, o.replay_status) is reading(again, o.replay_status)
+    ):
+        evidence["immediate_repeat"] = repeat.evidence()
+        evidence["compared"] = (
+            f"the answer after the delay ({again.status}) with the answer to an immediate "
+            f"repeat of a key just used ({repeat.status}): the same refusal"
+        )
+        return CheckVerdict(
+            name,
+            True,
+            f"after {o.delay:g}s the same key and payload got the same refusal "
+            f"({again.status}) as an immediate repeat; a forgotten key would have been "
+            f"applied anew ({first.status} and a new result), so the key is retained ({hint})",
+            evidence,
+        )
     if again.status == 409 and not o.replayed(again):
         return CheckVerdict(
             name,
@@ -417,15 +441,15 @@ def key_retained(o: Observed, endpoint: Endpoint) -> CheckVerdict:
             evidence,
         )
     honoured = f"the key was still honoured after {o.delay:g}s ({hint})"
+    evidence["compared"] = f"the first answer's body with the one after {o.delay:g}s: equal"
     return _settle(
         name,
         evidence,
         lookup,
-        told_apart=o.discriminating,
-        applied=honoured,
+        applied=honoured + ": the status lookup holds it as applied",
         not_applied=forgotten,
-        undecided=f"the same result after {o.delay:g}s, but results do not identify effects "
-        f"and there is no status lookup: could not tell ({hint})",
+        unobserved=f"not observed: the same result after {o.delay:g}s, but whether the "
+        f"request ran again cannot be seen in an answer, and {_no_count(lookup)} ({hint})",
     )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -107,10 +108,83 @@ def console_command(
 # -- receiver conformance check and status lookups ------------------------------------------
 
 
+def _probe_body_options(
+    json_body: str | None, form_body: str | None, content: str | None, content_type: str | None
+) -> dict[str, Any]:
+    """The probe body options as ``check_receiver`` takes them; UsageError (exit 2) for
+    none, two, or one that does not parse."""
+    given = [n for n, v in (("--json-body", json_body), ("--form-body", form_body),
+                            ("--content", content)) if v is not None]  # fmt: skip
+    if len(given) != 1:
+        raise click.UsageError(
+            "give the probe exactly one body: --json-body, --form-body or --content"
+            + (f" (got {' and '.join(given)})" if given else "")
+        )
+    if (content is None) != (content_type is None):
+        raise click.UsageError("--content and --content-type go together")
+    if json_body is not None:
+        try:
+            return {"json_body": json.loads(json_body)}
+        except ValueError as exc:
+            raise click.UsageError(f"--json-body is not JSON: {exc}") from exc
+    if form_body is not None:
+        return {"data": _form_fields(form_body)}
+    assert content is not None
+    if content.startswith("@"):
+        try:
+            raw = Path(content[1:]).read_bytes()
+        except OSError as exc:
+            raise click.UsageError(f"--content: cannot read {content[1:]}: {exc.strerror}") from exc
+    else:
+        raw = content.encode("utf-8")
+    return {"content": raw, "content_type": content_type}
+
+
+def _form_fields(text: str) -> Any:
+    """A JSON object as a mapping, else ``a=1&b=2`` as pairs in the given order."""
+    from urllib.parse import parse_qsl
+
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise click.UsageError(f"--form-body is not a JSON object: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise click.UsageError("--form-body must be a JSON object or name=value&...")
+        return fields
+    try:
+        pairs = parse_qsl(text, keep_blank_values=True, strict_parsing=True)
+    except ValueError as exc:
+        raise click.UsageError(f"--form-body is not name=value&...: {exc}") from exc
+    return pairs
+
+
 @command(main, "check-receiver")
 @click.option("--endpoint", required=True, help="The registered endpoint to probe.")
 @click.option("--path", required=True, help="The operation's path, e.g. /reservations.")
-@click.option("--json-body", required=True, help="The probe operation's JSON body.")
+@click.option("--json-body", default=None, help="The probe operation's JSON body.")
+@click.option(
+    "--form-body",
+    default=None,
+    metavar="FIELDS",
+    help="Form fields instead (application/x-www-form-urlencoded), for a form-reading "
+    "API: 'amount=2000&currency=eur' (order kept) or a JSON object (see --form-style).",
+)
+@click.option(
+    "--form-style",
+    type=click.Choice(["flat", "stripe"]),
+    default="flat",
+    show_default=True,
+    help="How a JSON object given to --form-body is encoded (stripe: metadata[order]=17).",
+)
+@click.option(
+    "--content",
+    default=None,
+    metavar="TEXT|@FILE",
+    help="A raw body instead (XML, a signed payload), sent as given; @FILE reads a file. "
+    "Needs --content-type.",
+)
+@click.option("--content-type", default=None, help="The media type of --content.")
 @click.option("--method", default="POST", show_default=True)
 @click.option("--tenant", default="", help="Tenant sent with the probes (if the endpoint does).")
 @click.option(
@@ -139,7 +213,11 @@ def check_receiver_command(
     obj: Context,
     endpoint: str,
     path: str,
-    json_body: str,
+    json_body: str | None,
+    form_body: str | None,
+    form_style: str,
+    content: str | None,
+    content_type: str | None,
     method: str,
     tenant: str,
     retention_delay: float,
@@ -151,7 +229,9 @@ def check_receiver_command(
 ) -> None:
     """Probe a (staging) receiver's idempotency: one verdict line per property.
 
-    Exit 0 when no check failed (with --strict: and none was undecided), 1 when one did,
+    The probe body takes the form the endpoint's operations use: --json-body,
+    --form-body or --content with --content-type (exactly one). Exit 0 when no check
+    failed and at least one was decided (with --strict: none undecided), 1 otherwise,
     2 on a usage error or an endpoint not marked probe_safe. Passing proves nothing
     about production.
     """
@@ -164,10 +244,7 @@ def check_receiver_command(
             raise click.UsageError("--probe-tenants takes two tenants: A,B")
         tenants = (parts[0], parts[1])
 
-    try:
-        body = json.loads(json_body)
-    except ValueError as exc:
-        raise click.UsageError(f"--json-body is not JSON: {exc}") from exc
+    bodies = _probe_body_options(json_body, form_body, content, content_type)
     if not obj.app:
         raise click.UsageError("check-receiver needs --app module:attr: endpoints live in code")
     report = check_receiver(
@@ -175,7 +252,8 @@ def check_receiver_command(
         endpoint=endpoint,
         method=method,
         path=path,
-        json_body=body,
+        **bodies,
+        form_style=form_style,
         tenant=tenant,
         retention_delay=retention_delay,
         concurrency=concurrency,

@@ -204,6 +204,7 @@ def attempt_outcome(
         deadline_ms=deadline,
         now_ms=now,
         attempts_in_progress=c.attempts_in_progress + (1 if in_progress else 0),
+        replayed_failure=cls.replayed_failure,
     )
     return AttemptOutcome(
         pk=c.pk,

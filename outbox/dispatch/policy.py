@@ -71,13 +71,15 @@ def decide(
     deadline_ms: int,
     now_ms: int,
     attempts_in_progress: int = 0,
+    replayed_failure: bool = False,
 ) -> Decision:
     """The operation's next state after an attempt.
 
     ``attempts_counted`` (and ``attempts_in_progress`` for a "still processing" answer)
     include this attempt if it counted; the flags include what this attempt observed,
     so ``maybe_delivered`` on a definitive refusal means an *earlier* attempt may have
-    been applied.
+    been applied. ``replayed_failure``: the answer is a stored 5xx the receiver replays
+    for this key (``Classification.replayed_failure``), which no retry can change.
     """
     if verdict is Verdict.SUCCESS:
         return Decision(State.SUCCEEDED, why="2xx")
@@ -94,6 +96,12 @@ def decide(
         return Decision(State.FAILED, why="definitive refusal")
     if verdict is Verdict.KEY_CONFLICT:
         return Decision(State.UNRESOLVED, Reason.KEY_CONFLICT, why="key bound to other arguments")
+    if verdict is Verdict.RETRY and replayed_failure:
+        return Decision(
+            State.UNRESOLVED,
+            Reason.OUTCOME_UNKNOWN,
+            why="the receiver replays a stored failure for this key: a retry would replay it",
+        )
     reason = reason_from_history(maybe_delivered=maybe_delivered, saw_refusal=saw_refusal)
     if verdict is Verdict.IN_PROGRESS:
         if attempts_in_progress >= endpoint.retry.in_progress_budget:

@@ -45,6 +45,13 @@ def describe_attempt(attempt: Attempt) -> str:
             f"{f' (it answered {attempt.status_code})' if attempt.status_code else ''}, but "
             f"the endpoint's classifier failed: {attempt.error_message}"
         )
+    if attempt.error_class == ErrorClass.STORED_FAILURE_REPLAYED:
+        marker = (attempt.error_message or "").split(";", 1)[0]
+        return (
+            f"attempt {n}: the receiver replayed the {attempt.status_code} it stored for this "
+            f"key ({marker}), so every retry would get the same answer; whether the first "
+            "request was applied is not known"
+        )
     if attempt.delivery is Delivery.NOT_SENT:
         return (
             f"attempt {n} never left this machine: {attempt.error_class}"

@@ -24,6 +24,7 @@ from outbox.classify import (
     Classification,
     classify_response,
     is_key_mismatch,
+    replay_marker,
 )
 from outbox.config import Endpoint
 from outbox.model import Delivery, ErrorClass, Verdict
@@ -527,6 +528,11 @@ async def send_attempt(
     if failed_message is None and classification.verdict is not Verdict.SUCCESS:
         message_head = redactor.bytes(received.head[:_MESSAGE_BYTES], cut_off=received.truncated)
         failed_message = clean_message(message_head.decode("utf-8", errors="replace"))
+        if classification.replayed_failure and failed_class is None:
+            marker = replay_marker(response.headers) or "a replay, by the endpoint's classify"
+            # The evidence says why no retry follows: the marker, then the stored body.
+            failed_class = ErrorClass.STORED_FAILURE_REPLAYED.value
+            failed_message = clean_message(f"{marker}; {failed_message}")
     answered = _ResponseHeaders(response.headers)
     return AttemptResult(
         classification=classification,

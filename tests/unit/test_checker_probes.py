@@ -48,3 +48,28 @@ def test_probe_keys_fit_the_endpoints_key_pattern() -> None:
     assert probe_key(lambda k: re.fullmatch(r"[0-9a-f]{32}", k) is not None).isalnum()
     assert probe_key().startswith(PROBE_PREFIX)
     assert probe_key(lambda k: True).startswith(PROBE_PREFIX)
+
+
+def test_changed_form_fields_and_content_stay_plausible() -> None:
+    from outbox.checker.probes import changed_content, changed_fields, probe_body
+
+    pairs = [("currency", "eur"), ("amount", "0099"), ("note", "")]
+    assert changed_fields(pairs) == (
+        [("currency", "eur"), ("amount", "0100"), ("note", "")],
+        "amount: 0099 -> 0100",
+    )
+    assert changed_fields([("currency", "eur")])[0] == [("currency", "eur-changed")]
+    assert changed_fields([("note", "")])[0] == [("note", ""), ("outbox_probe_variant", "changed")]
+    xml = b'<?xml version="1.0"?><a><n>7</n></a>'
+    assert changed_content(xml)[0] == b'<?xml version="1.0"?><a><n>8</n></a>'
+    assert changed_content(b"v=19;")[0] == b"v=20;"
+    assert changed_content(b"<a/>") == (
+        b"<a/>\n",
+        "appended a newline (the content has no number to change)",
+    )
+    # Encoded as enqueue encodes it: Stripe's brackets, the form content type.
+    data = {"amount": "5", "metadata": {"k": "v"}}
+    body = probe_body(endpoint="e", method="POST", path="/", data=data, form_style="stripe")
+    assert (body.kind, body.content_type) == ("form", "application/x-www-form-urlencoded")
+    assert body.content == b"amount=5&metadata%5Bk%5D=v"
+    assert body.changed == b"amount=6&metadata%5Bk%5D=v"

@@ -57,7 +57,8 @@ def test_a_409_replay_fails_same_key_unless_declared() -> None:
     verdict = same_key_same_result(observed(again=replay))
     assert verdict.passed is False and "replay_status=409" in verdict.summary
     declared = observed(again=replay, replay_status=409)
-    assert same_key_same_result(declared).passed is True
+    # A replay, but effects cannot be counted without a status lookup: not observed.
+    assert same_key_same_result(declared).outcome == "not_observed"
     assert replay_fresh_request_id(declared, same_key_same_result(declared)).passed is True
 
 
@@ -67,12 +68,12 @@ def test_a_replay_without_the_request_id_header_is_named_as_such() -> None:
     verdict = replay_fresh_request_id(o, same_key_same_result(o))
     assert verdict.passed is False
     assert "no X-Request-ID on the replay" in verdict.summary
-    # A receiver that never echoes it: undecided, said so.
+    # A receiver that never echoes it: the replay carries none, a FAIL (issue 24).
     first = probe("k1", 201, {"effect_id": 1}, echo=None)
     o = observed(first=first, again=silent)
     verdict = replay_fresh_request_id(o, same_key_same_result(o))
-    assert verdict.passed is None
-    assert "no X-Request-ID on the replay (nor on the first answer)" in verdict.summary
+    assert verdict.passed is False
+    assert "no X-Request-ID on the replay (nor on the first answer" in verdict.summary
 
 
 def test_a_run_that_decided_nothing_fails_and_names_the_cause() -> None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from outbox import Verdict
-from outbox.classify import body_reading, classify_response
+from outbox.classify import body_reading, classify_response, replay_marker
 
 NOW = 1_800_000_000_000
 
@@ -106,3 +106,31 @@ def test_hostile_bodies_never_raise() -> None:
 def test_recorded_middleware_answers(status: int, body: bytes, verdict: str) -> None:
     got = classify_response(httpx.Response(status, content=body), body, 0)
     assert got.verdict.value == verdict
+
+
+# A stored 5xx the receiver replays (issue 24): it will never change.
+@pytest.mark.parametrize(
+    ("status", "headers", "replayed"),
+    [
+        (500, {"Idempotent-Replayed": "true"}, True),
+        (502, {"idempotent-replayed": "True"}, True),
+        (503, {"Idempotent-Replayed": "true"}, True),
+        (500, {"Idempotent-Replayed": "false"}, False),
+        (500, {}, False),
+        # A replayed success or refusal is read as before.
+        (201, {"Idempotent-Replayed": "true"}, False),
+        (422, {"Idempotent-Replayed": "true"}, False),
+    ],
+)
+def test_a_replayed_stored_failure_is_marked(
+    status: int, headers: dict[str, str], replayed: bool
+) -> None:
+    body = b'{"error":"internal_error"}'
+    got = classify_response(httpx.Response(status, headers=headers, content=body), body, NOW)
+    assert got.replayed_failure is replayed
+    if replayed:
+        assert got.verdict is Verdict.RETRY
+        assert got.maybe_applied and not got.refused
+        assert replay_marker(httpx.Headers(headers)) == "Idempotent-Replayed: " + next(
+            iter(headers.values())
+        )

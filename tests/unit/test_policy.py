@@ -54,6 +54,26 @@ def test_retry_after_past_the_window_is_unresolved_now() -> None:
     assert (state, reason) == (State.UNRESOLVED, Reason.RETRIES_EXHAUSTED)
 
 
+def test_a_replayed_stored_failure_goes_to_reconciliation_at_once() -> None:
+    d = decide(
+        endpoint=EP,
+        verdict=Verdict.RETRY,
+        attempts_counted=1,
+        maybe_delivered=True,
+        saw_refusal=False,
+        retry_after_seconds=None,
+        deadline_ms=NOW + 60_000,
+        now_ms=NOW,
+        replayed_failure=True,
+    )
+    assert (d.state, d.reason, d.next_attempt_at_ms) == (
+        State.UNRESOLVED,
+        Reason.OUTCOME_UNKNOWN,
+        None,
+    )
+    assert "replays a stored failure" in d.why
+
+
 def test_attempts_spent() -> None:
     assert _decide(Verdict.RETRY, counted=3, maybe=True)[:2] == (
         State.UNRESOLVED, Reason.OUTCOME_UNKNOWN)
