@@ -1,0 +1,200 @@
+"""Leases that survive a clock step, with a really stepped clock.
+
+Each dispatcher is a real ``outbox dispatch`` subprocess (``tests.support.dispatch_app``)
+whose clocks are libfaketime's (Debian's ``faketime`` package, by ``LD_PRELOAD``),
+following a control file the test rewrites: every process started with the same file
+sees the same step at the same moment, as the processes of one host see an NTP step.
+The wall clock steps 600 s forward or back while an attempt is on the wire (the
+receiver holds its answer), with the monotonic clock left alone, as a real step leaves
+it ("wall"); on PostgreSQL also with the monotonic clock stepped too ("all": the
+dispatcher's whole notion of time jumps, the server's does not).
+
+What must hold: the receiver saw each key once, the first attempt's 2xx is recorded as
+succeeded (not ``unknown``/``LeaseExpired``), and nothing claimed the operation again.
+See DESIGN-NOTES "Leases that survive a clock step".
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from outbox import Delivery, FakeClock, Outbox, State
+from outbox.testing.receiver import Receiver
+from tests.faults.support import DispatcherProcess, app_endpoint, dispatchers, until
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+#: tests/support/faketime/sitecustomize.py: time.sleep without clock_nanosleep.
+SHIM_DIR = ROOT / "tests" / "support" / "faketime"
+STEP = 600
+# The receiver holds each answer this long; the endpoint waits longer, and the lease
+# leaves room for a slow start of the first send on a busy machine (the lease check
+# sends only with the timeout and a margin left).
+HOLD, TIMEOUT, LEASE = 3.0, 18.0, 30.0
+
+
+def _libfaketime() -> str:
+    for pattern in (
+        "/usr/lib/*/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+        "/usr/local/lib/faketime/libfaketime.so.1",
+    ):
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    reason = "libfaketime is not installed (Debian: apt-get install faketime)"
+    if os.environ.get("OUTBOX_REQUIRE_FAKETIME"):
+        pytest.fail(f"{reason}, and OUTBOX_REQUIRE_FAKETIME is set")
+    pytest.skip(f"{reason}; OUTBOX_REQUIRE_FAKETIME=1 makes this a failure")
+
+
+class SteppedClock:
+    """The clocks of every process started with :meth:`env`: libfaketime reads the
+    control file at each call (``FAKETIME_NO_CACHE``), so rewriting it steps them all."""
+
+    def __init__(self, path: Path, *, monotonic: bool) -> None:
+        self.path, self.monotonic = path, monotonic
+        self.lib = _libfaketime()
+        self.offset = 0
+        self._write()
+
+    def env(self) -> dict[str, str]:
+        env = {
+            "LD_PRELOAD": self.lib,
+            "FAKETIME_TIMESTAMP_FILE": str(self.path),
+            "FAKETIME_NO_CACHE": "1",
+            # File times stay real: with stat() faked too every import reads the file.
+            "NO_FAKE_STAT": "1",
+        }
+        if not self.monotonic:
+            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), str(ROOT)])
+        return env
+
+    def step(self, seconds: int) -> None:
+        self.offset += seconds
+        self._write()
+
+    def _write(self) -> None:
+        # Whole or not at all: a reader never sees half a line.
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{self.offset:+d}\n")
+        os.replace(tmp, self.path)
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(tmp_path / "receiver.sqlite3") as rx:
+        yield rx
+
+
+def _outbox(db_url: str, receiver: Receiver, *, shifted: int = 0) -> Outbox:
+    """The test's own outbox; on SQLite with a clock ``shifted`` seconds from the real
+    one, so that what it enqueues is due by the dispatchers' stepped clocks."""
+    endpoint = app_endpoint(receiver.url, timeout=TIMEOUT)
+    clock = None
+    if shifted and db_url.startswith("sqlite"):
+        clock = FakeClock(start_ms=int(time.time() * 1000) + shifted * 1000)
+    return Outbox(db_url, endpoints=[endpoint], clock=clock)
+
+
+def _enqueue(ob: Outbox, op_id: str) -> None:
+    ob.enqueue(endpoint="receiver", method="POST", path="/orders",
+               json={"operation_id": op_id, "qty": 1}, operation_id=op_id)  # fmt: skip
+
+
+def _start(start: Callable[..., DispatcherProcess], db_url: str, receiver: Receiver, *,
+           clock: SteppedClock, name: str, concurrency: int) -> DispatcherProcess:  # fmt: skip
+    process: DispatcherProcess = start(
+        db_url, receiver.url, name=name, lease=LEASE, timeout=TIMEOUT,
+        concurrency=concurrency, failpoints_enabled=False, extra_env=clock.env(),
+    )  # fmt: skip
+    return process
+
+
+def _sent_once_and_succeeded(ob: Outbox, receiver: Receiver, op_id: str) -> None:
+    op = ob.get(op_id)
+    assert op.state is State.SUCCEEDED, (op.reason, op.attempts)
+    (attempt,) = op.attempts  # claimed once: no attempt closed as LeaseExpired
+    assert (attempt.delivery, attempt.status_code, attempt.error_class) == (
+        Delivery.SENT, 201, None,
+    )  # fmt: skip
+    assert [r.request_id for r in receiver.requests(key=op_id)] == [attempt.request_id]
+    assert receiver.effect_count(key=op_id) == 1
+
+
+@pytest.mark.parametrize("fake", ["wall", "all"])
+def test_a_forward_step_while_on_the_wire_changes_nothing(
+    fake: str, db_url: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """+600 s during the attempt: its own dispatcher's claims, every 50 ms while it
+    idles, do not take the operation back; its 201 is recorded as succeeded."""
+    sqlite = db_url.startswith("sqlite")
+    if fake == "all" and sqlite:
+        pytest.skip("on SQLite a step of the monotonic clock too is time that passed")
+    clock = SteppedClock(tmp_path / "faketime.rc", monotonic=fake == "all")
+    op_id = f"forward-{fake}"
+    receiver.faults.delay_after_commit(HOLD, times=1, key=op_id)
+    with _outbox(db_url, receiver) as ob, dispatchers(tmp_path) as start:
+        d = _start(start, db_url, receiver, clock=clock, name="a", concurrency=4)
+        _enqueue(ob, op_id)
+        until(lambda: receiver.requests(key=op_id), 30, "the attempt at the receiver")
+        clock.step(+STEP)  # the receiver holds its answer HOLD seconds more
+        until(lambda: ob.get(op_id).state.is_settled, 30, "the outcome")
+        if sqlite:
+            until(lambda: d.saw("clock_stepped"), 15, "the dispatcher to log the step")
+        assert d.alive()
+        summary = d.stop()
+        if fake == "wall":
+            _sent_once_and_succeeded(ob, receiver, op_id)
+        else:
+            # The dispatcher's monotonic clock says 600 s passed: its own attempt
+            # deadline ran out, so it cannot know the outcome. But no claim took the
+            # operation back (the server's clock judged the lease): one attempt, one
+            # request, and no LeaseExpired.
+            (attempt,) = ob.get(op_id).attempts
+            assert attempt.delivery is Delivery.UNKNOWN
+            assert attempt.error_class == "AttemptDeadlineExceeded"
+            assert [r.request_id for r in receiver.requests(key=op_id)] == [attempt.request_id]
+    assert summary is not None and summary["fenced"] == 0
+
+
+def test_a_backward_step_changes_nothing_for_either_dispatcher(
+    db_url: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """-600 s: A (started before the step) holds Y on the wire; B, started after it,
+    claims X while A is busy. A finishes Y and claims again while X is on the wire:
+    on SQLite A's clock stands still 600 s above B's, so X's lease looks long gone to
+    A; it must not take X. Both 201s are recorded as succeeded."""
+    clock = SteppedClock(tmp_path / "faketime.rc", monotonic=False)
+    # A is busy with Y while B starts and claims X (A's one slot is taken); Y's answer
+    # comes while X is still held (X arrives seconds after Y, held longer): A claims
+    # again with X on the wire.
+    receiver.faults.delay_after_commit(10.0, times=1, key="y")
+    receiver.faults.delay_after_commit(14.0, times=1, key="x")
+    with _outbox(db_url, receiver) as ob, dispatchers(tmp_path) as start:
+        a = _start(start, db_url, receiver, clock=clock, name="a", concurrency=1)
+        _enqueue(ob, "y")
+        until(lambda: receiver.requests(key="y"), 30, "Y at the receiver")
+        clock.step(-STEP)
+        b = _start(start, db_url, receiver, clock=clock, name="b", concurrency=1)
+        until(lambda: b.saw("dispatcher_started"), 30, "B to start")
+        with _outbox(db_url, receiver, shifted=-STEP) as stepped:
+            _enqueue(stepped, "x")  # due by the stepped clocks
+        until(lambda: receiver.requests(key="x"), 30, "X at the receiver")
+        (x_attempt,) = ob.get("x").attempts
+        assert f":{b.process.pid}:" in x_attempt.dispatcher_id, "B is the one holding X"
+        until(lambda: ob.get("y").state.is_settled, 30, "Y's outcome")
+        until(lambda: ob.get("x").state.is_settled, 30, "X's outcome")
+        assert a.alive() and b.alive()
+        summaries = [a.stop(), b.stop()]
+        _sent_once_and_succeeded(ob, receiver, "y")
+        _sent_once_and_succeeded(ob, receiver, "x")
+    assert all(s is not None and s["fenced"] == 0 for s in summaries)
