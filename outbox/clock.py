@@ -43,6 +43,7 @@ class SystemClock:
         self._offset = wall - mono  # the wall clock minus the monotonic one, last read
         self._mono = mono
         self._steady_since = mono
+        self._standing = False
         #: Steps seen so far, and the last one's size in milliseconds (+ forward).
         self.steps = 0
         self.last_step_ms = 0
@@ -61,15 +62,24 @@ class SystemClock:
 
     def now_ms(self) -> int:
         with self._lock:
-            wall, mono = self._read()
-            now = wall // 1_000_000
-            if now < self._last:
-                # Standing still: this process's time is not the wall clock others
-                # read, so no expired lease is judged by it.
-                self._steady_since = max(self._steady_since, mono)
-                return self._last
-            self._last = now
-            return now
+            return self._now()
+
+    def _now(self) -> int:
+        wall, mono = self._read()
+        now = wall // 1_000_000
+        if now < self._last:
+            # Standing still: this process's time is not the wall clock others read,
+            # so no expired lease is judged by it.
+            self._standing = True
+            self._steady_since = max(self._steady_since, mono)
+            return self._last
+        if self._standing:
+            # The wall clock passed where this one stood (now - last) ms ago.
+            self._standing = False
+            resumed = mono - (now - self._last) * 1_000_000
+            self._steady_since = max(self._steady_since, resumed)
+        self._last = now
+        return now
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -77,10 +87,8 @@ class SystemClock:
     def steady_ms(self) -> int:
         """Milliseconds for which this clock has followed the wall clock without a step."""
         with self._lock:
-            _, mono = self._read()
-            if time.time_ns() // 1_000_000 < self._last:
-                self._steady_since = max(self._steady_since, mono)
-            return max(0, mono - self._steady_since) // 1_000_000
+            self._now()
+            return max(0, self._mono - self._steady_since) // 1_000_000
 
 
 def steady_ms(clock: Clock) -> int | None:

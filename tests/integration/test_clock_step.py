@@ -23,12 +23,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select, update
 
 from outbox import Delivery, FakeClock, Outbox, State
+from outbox.canonical import CanonicalArgs
+from outbox.store import Store, store_for
+from outbox.store.engine import create_engine
+from outbox.store.migrate import upgrade
+from outbox.store.rows import operation_row
+from outbox.store.tables import operations
 from outbox.testing.receiver import Receiver
 from tests.faults.support import DispatcherProcess, app_endpoint, dispatchers, until
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 #: tests/support/faketime/sitecustomize.py: time.sleep without clock_nanosleep.
@@ -130,6 +135,7 @@ def _sent_once_and_succeeded(ob: Outbox, receiver: Receiver, op_id: str) -> None
     assert receiver.effect_count(key=op_id) == 1
 
 
+@pytest.mark.slow
 def test_a_forward_step_while_on_the_wire_changes_nothing(
     db_url: str, receiver: Receiver, tmp_path: Path
 ) -> None:
@@ -152,6 +158,7 @@ def test_a_forward_step_while_on_the_wire_changes_nothing(
     assert summary is not None and summary["fenced"] == 0
 
 
+@pytest.mark.slow
 def test_a_dispatcher_whose_clocks_jump_takes_no_live_lease_on_postgres(
     db_url: str, receiver: Receiver, tmp_path: Path
 ) -> None:
@@ -180,6 +187,7 @@ def test_a_dispatcher_whose_clocks_jump_takes_no_live_lease_on_postgres(
     assert all(s is not None and s["fenced"] == 0 for s in summaries)
 
 
+@pytest.mark.slow
 def test_a_backward_step_changes_nothing_for_either_dispatcher(
     db_url: str, receiver: Receiver, tmp_path: Path
 ) -> None:
@@ -212,3 +220,61 @@ def test_a_backward_step_changes_nothing_for_either_dispatcher(
         _sent_once_and_succeeded(ob, receiver, "y")
         _sent_once_and_succeeded(ob, receiver, "x")
     assert all(s is not None and s["fenced"] == 0 for s in summaries)
+
+
+# --------------------------------------------------------------------------- the store's rule
+
+
+def _one_in_flight(store: Store, *, now_ms: int, lease_ms: int) -> None:
+    args = CanonicalArgs(endpoint="rx", method="POST", path="/o", headers={},
+                         body_json="{}", args_sha256="0" * 64)  # fmt: skip
+    row = operation_row(tenant="", operation_id="op", args=args, ordering_key=None,
+                        now_ms=now_ms)  # fmt: skip
+    with store.write() as conn:
+        store.insert_operations(conn, [row])
+    (claimed,), _ = store.claim(owner="a", token="A", now_ms=now_ms, lease_ms=lease_ms, limit=1)
+    assert claimed.operation_id == "op"
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    engine = create_engine(db_url)
+    upgrade(engine)
+    yield store_for(engine)
+    engine.dispose()
+
+
+def test_an_expired_lease_longer_than_the_steady_time_is_not_taken(store: Store) -> None:
+    """The claim's rule, on both databases: a lease of 30 s, expired by the claimer's
+    clock, is taken over only by a clock that has run 30 s or more without a step."""
+    t0, lease = 1_800_000_000_000, 30_000
+    _one_in_flight(store, now_ms=t0, lease_ms=lease)
+    late = t0 + lease + 600_000  # a step of 600 s forward
+    claim = dict(owner="b", token="B", now_ms=late, lease_ms=lease, limit=1)
+    assert store.claim(**claim, steady_ms=0) == ([], [])
+    assert store.claim(**claim, steady_ms=lease - 1) == ([], [])
+    (taken,), _ = store.claim(**claim, steady_ms=lease)
+    assert taken.operation_id == "op"
+
+
+def test_postgres_claims_judge_leases_by_the_server_clock(store: Store) -> None:
+    """A claimer 600 s ahead of the server takes no live lease with ``server_clock``;
+    the lease it writes ends one lease after the server's now, not its own."""
+    if store.dialect != "postgresql":
+        pytest.skip("SQLite has no server clock")
+    server = store.server_time_ms()
+    assert server is not None
+    lease = 30_000
+    _one_in_flight(store, now_ms=server, lease_ms=lease)
+    ahead = server + 600_000
+    assert store.claim(owner="b", token="B", now_ms=ahead, lease_ms=lease, limit=1,
+                       server_clock=True) == ([], [])  # fmt: skip
+    with store.write() as conn:  # the lease expires, by the server's clock
+        conn.execute(update(operations).values(lease_until=server - 1, next_attempt_at=server - 1))
+    behind = server - 600_000  # and a claimer far behind still takes it, and leases it
+    (taken,), _ = store.claim(owner="b", token="B", now_ms=behind, lease_ms=lease, limit=1,
+                              server_clock=True)  # fmt: skip
+    assert taken.operation_id == "op"
+    with store.read() as conn:
+        (until_ms,) = conn.execute(select(operations.c.lease_until)).one()
+    assert server + lease <= until_ms < server + lease + 60_000
