@@ -42,7 +42,7 @@ STEP = 600
 # The receiver holds each answer this long; the endpoint waits longer, and the lease
 # leaves room for a slow start of the first send on a busy machine (the lease check
 # sends only with the timeout and a margin left).
-HOLD, TIMEOUT, LEASE = 3.0, 18.0, 30.0
+HOLD, TIMEOUT, LEASE = 3.0, 24.0, 30.0
 
 
 def _libfaketime() -> str:
@@ -199,8 +199,8 @@ def test_a_backward_step_changes_nothing_for_either_dispatcher(
     # A is busy with Y while B starts and claims X (A's one slot is taken); Y's answer
     # comes while X is still held (X arrives seconds after Y, held longer): A claims
     # again with X on the wire.
-    receiver.faults.delay_after_commit(10.0, times=1, key="y")
-    receiver.faults.delay_after_commit(14.0, times=1, key="x")
+    receiver.faults.delay_after_commit(15.0, times=1, key="y")
+    receiver.faults.delay_after_commit(19.0, times=1, key="x")
     with _outbox(db_url, receiver) as ob, dispatchers(tmp_path) as start:
         a = _start(start, db_url, receiver, clock=clock, name="a", concurrency=1)
         _enqueue(ob, "y")
