@@ -260,6 +260,7 @@ class DispatchQueries:
         }  # fmt: skip
         if statement is None:  # the fair claim: its rotation and per-tenant limits
             params.update(cursor=cursor, caps=caps_json(self.tenant_caps))
+            params.update(self._takeover_params(conn, now_ms, steady_ms))
         rows = conn.execute(built if statement is None else statement,
                             {**params, **(extra or {})}).all()  # fmt: skip
         if not rows:
@@ -281,6 +282,12 @@ class DispatchQueries:
 
     def _before_claim(self, conn: Connection) -> None:
         """A dialect's preparation of the claim's transaction (nothing by default)."""
+
+    def _takeover_params(
+        self, conn: Connection, now_ms: int, steady_ms: int | None
+    ) -> dict[str, Any]:
+        """A dialect's further parameters of the fair claim's takeover rule (none)."""
+        return {}
 
     def _claim_clock(self, conn: Connection, now_ms: int, server_clock: bool) -> int:
         """Prepare the claim's transaction (``_before_claim``) and return the time its

@@ -53,7 +53,8 @@ def _cap(dialect: str, alias: str) -> str:
 def fair_claim_sql(dialect: str) -> str:
     """The ids to claim, with ``was`` (the state before), ``rn`` (the round) and ``pos``
     (the tenant's place in the rotation); parameters ``now_ms``, ``limit``, ``cursor``,
-    ``caps``, ``steady_ms``. PostgreSQL's locks its rows (``FOR UPDATE SKIP LOCKED``)."""
+    ``caps``, ``steady_ms`` (and on SQLite ``gone``). PostgreSQL's locks its rows
+    (``FOR UPDATE SKIP LOCKED``)."""
     pg = dialect == "postgresql"
     ix = "" if pg else " INDEXED BY ix_outbox_operations_fair"
     fx = "" if pg else " INDEXED BY ix_outbox_operations_tenant_in_flight"
@@ -79,7 +80,13 @@ def fair_claim_sql(dialect: str) -> str:
     # has run without a step (``steady_ms``; outbox.clock.SystemClock, DESIGN-NOTES
     # "Leases that survive a clock step"). A lease's length is its end minus the claim
     # that wrote it (``updated_at``).
-    held = "(o.state <> 'in_flight' OR COALESCE(o.lease_until - o.updated_at, 0) <= :steady_ms)"
+    # On SQLite also a lease whose holder is known to have exited on this host (``gone``,
+    # a JSON array of dispatcher ids: outbox.store.liveness.gone_holders).
+    gone = "" if pg else " OR o.lease_owner IN (SELECT value FROM json_each(:gone))"
+    held = (
+        "(o.state <> 'in_flight' "
+        f"OR COALESCE(o.lease_until - o.updated_at, 0) <= :steady_ms{gone})"
+    )
     in_flight = (
         f"(SELECT count(*) FROM {_T} AS f{fx} WHERE f.state = 'in_flight' "
         f"AND f.tenant = o.tenant AND f.endpoint = o.endpoint AND f.lease_until > :now_ms)"

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Engine,
     Select,
     Text,
@@ -33,6 +34,7 @@ from outbox.store.changes import ChangeSource, SqliteWatch, local_key
 from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
 from outbox.store.fairness import fair_claim_sql, fair_params
+from outbox.store.liveness import gone_holders
 from outbox.store.statements import CLAIM_VALUES, claim_limits, claimable_ids
 from outbox.store.tables import operations
 from outbox.store.writelock import held_by_caller
@@ -95,6 +97,12 @@ class SqliteStore(Store):
 
     def _probe_claim_statement(self) -> Any:
         return self._probe_claim
+
+    def _takeover_params(
+        self, conn: Connection, now_ms: int, steady_ms: int | None
+    ) -> dict[str, Any]:
+        # The holders of the leases the steady rule holds back that are known gone.
+        return {"gone": json.dumps(gone_holders(conn, now_ms=now_ms, steady_ms=steady_ms))}
 
     def _pks_in(self, column: ColumnElement[Any], name: str) -> ColumnElement[bool]:
         # The keys as one JSON array: the same SQL text (and prepared statement) for

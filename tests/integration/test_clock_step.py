@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -278,3 +280,33 @@ def test_postgres_claims_judge_leases_by_the_server_clock(store: Store) -> None:
     with store.read() as conn:
         (until_ms,) = conn.execute(select(operations.c.lease_until)).one()
     assert server + lease <= until_ms < server + lease + 60_000
+
+
+def test_a_fresh_once_run_takes_over_the_lease_of_a_dispatcher_that_died(
+    sqlite_url: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """The steady rule holds back a fresh clock's takeovers, but not of a holder known
+    to have exited on this host: ``dispatch --once`` from cron, started after a crash,
+    recovers the crashed dispatcher's operation in its one run."""
+    lease = 3.0
+    with _outbox(sqlite_url, receiver) as ob, dispatchers(tmp_path) as start:
+        _enqueue(ob, "crashed")
+        a = start(sqlite_url, receiver.url, name="a", lease=lease,
+                  failpoint_spec="after_attempt_commit=kill")  # fmt: skip
+        assert a.wait(30) == -9
+        (open_attempt,) = ob.get("crashed").attempts
+        until(lambda: time.time() * 1000 > open_attempt.lease_until_ms + 50, 30, "lease's end")
+        env = dict(os.environ, OUTBOX_TEST_DB=sqlite_url, OUTBOX_TEST_RECEIVER_URL=receiver.url,
+                   OUTBOX_TEST_LEASE=str(lease), PYTHONPATH=str(ROOT))  # fmt: skip
+        once = subprocess.run(
+            [sys.executable, "-m", "outbox.cli", "--app", "tests.support.dispatch_app:outbox",
+             "dispatch", "--once", "--json"],
+            cwd=ROOT, env=env, capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert once.returncode == 0, once.stderr[-2000:]
+        op = ob.get("crashed")
+        assert op.state is State.SUCCEEDED, op.attempts
+        first, second = op.attempts
+        assert (first.delivery, first.error_class) == (Delivery.UNKNOWN, "LeaseExpired")
+        assert (second.delivery, second.status_code) == (Delivery.SENT, 201)
+    assert receiver.effect_count(key="crashed") == 1
