@@ -67,6 +67,8 @@ def ping_when_idle(engine: Engine) -> None:
 
 #: A clock steady this long takes any expired lease over: no need to look for holders.
 _STEADY_ENOUGH_MS = 24 * 3_600_000
+#: How often a store looks for gone holders (``SqliteStore``); a holder gone stays gone.
+GONE_LOOKUP_SECONDS = 1.0
 
 
 def gone_holders(conn: Connection, *, now_ms: int, steady_ms: int | None) -> list[str]:
