@@ -57,7 +57,8 @@ def explain(engine: sa.Engine, now: int, limit: int = 32) -> list[str]:
         lines = [
             str(r[0])
             for r in conn.execute(
-                sa.text(sql), {"now_ms": now, "limit": limit, "cursor": "", "caps": "{}"}
+                sa.text(sql),
+                {"now_ms": now, "limit": limit, "cursor": "", "caps": "{}", "steady_ms": 2**62},
             )
         ]
         conn.rollback()

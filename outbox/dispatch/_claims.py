@@ -30,6 +30,13 @@ class ClaimArgs:
     claim_ns: int
     #: The monotonic clock before the claim: leases are measured from here.
     claimed_mono: float
+    #: Leases judged by the database server's clock (PostgreSQL, the dispatcher's
+    #: clock an OffsetClock): the store reads the server's time in the claim itself.
+    server_clock: bool = False
+    #: How long the dispatcher's clock has run without a step (None: not watched); an
+    #: expired lease longer than that is not taken over (DESIGN-NOTES "Leases that
+    #: survive a clock step").
+    steady_ms: int | None = None
     #: Filled by :meth:`plan` inside the transaction: operations not to send, and why.
     refused: list[tuple[Claimed, str]] = field(default_factory=list)
 
@@ -45,7 +52,8 @@ def claim_and_begin(store: Store, args: ClaimArgs) -> ClaimResult:
     """Claim a batch and commit its attempt rows (one transaction)."""
     return store.claim_and_begin(
         owner=args.owner, token=args.token, now_ms=args.now_ms, lease_ms=args.lease_ms,
-        limit=args.limit, plan=args.plan,
+        limit=args.limit, plan=args.plan, server_clock=args.server_clock,
+        steady_ms=args.steady_ms,
     )  # fmt: skip
 
 
@@ -53,7 +61,8 @@ def claim_probe(store: Store, args: ClaimArgs, endpoint: str) -> ClaimResult:
     """Claim and begin the half-open probe of ``endpoint`` (one operation)."""
     return store.claim_probe(
         endpoint=endpoint, owner=args.owner, token=args.token, now_ms=args.now_ms,
-        lease_ms=args.lease_ms, plan=args.plan,
+        lease_ms=args.lease_ms, plan=args.plan, server_clock=args.server_clock,
+        steady_ms=args.steady_ms,
     )  # fmt: skip
 
 
@@ -64,4 +73,5 @@ def record_and_claim(
     return store.record_and_claim(
         outcomes=outcomes, owner=args.owner, token=args.token, now_ms=args.now_ms,
         lease_ms=args.lease_ms, limit=args.limit, plan=args.plan,
+        server_clock=args.server_clock, steady_ms=args.steady_ms,
     )  # fmt: skip

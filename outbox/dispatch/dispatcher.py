@@ -19,7 +19,7 @@ import httpx
 from sqlalchemy.exc import DBAPIError
 
 from outbox.base.logs import get_logger
-from outbox.clock import Clock, OffsetClock
+from outbox.clock import Clock, OffsetClock, steady_ms
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import failpoints, heartbeat
 from outbox.dispatch._attempt import AttemptSender
@@ -378,6 +378,8 @@ class Dispatcher:
             endpoints=self.endpoints,
             claim_ns=time.time_ns(),
             claimed_mono=self.clock.monotonic(),
+            server_clock=isinstance(self.clock, OffsetClock),
+            steady_ms=steady_ms(self.clock),
         )
 
     async def _claim_and_start(self, limit: int) -> tuple[list[Work], bool]:

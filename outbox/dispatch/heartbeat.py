@@ -11,7 +11,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from outbox.base.logs import get_logger
+from outbox.base.logs import OutboxLogger, get_logger
 from outbox.base.version import __version__
 from outbox.store import monitoring
 
@@ -31,9 +31,11 @@ async def beat(dispatcher: RunningDispatcher) -> None:
     started_at = dispatcher.clock.now_ms()
     host, pid = socket.gethostname(), os.getpid()
     beats = 0
+    steps = getattr(dispatcher.clock, "steps", 0)
     while True:
         try:
             now = dispatcher.clock.now_ms()
+            steps = _report_steps(dispatcher, log, steps)
             await dispatcher.run_db(
                 monitoring.heartbeat,
                 store=dispatcher.store,
@@ -57,6 +59,21 @@ async def beat(dispatcher: RunningDispatcher) -> None:
         except Exception as exc:
             log.warning("heartbeat_failed", error=type(exc).__name__, detail=str(exc)[:300])
         await asyncio.sleep(dispatcher.settings.heartbeat_seconds)
+
+
+def _report_steps(dispatcher: RunningDispatcher, log: OutboxLogger, seen: int) -> int:
+    """Log the wall-clock steps the dispatcher's clock saw since the last beat (a
+    ``SystemClock`` counts them); the count now."""
+    steps = getattr(dispatcher.clock, "steps", 0)
+    if steps > seen:
+        log.warning(
+            "clock_stepped",
+            step_seconds=getattr(dispatcher.clock, "last_step_ms", 0) / 1000,
+            steps=steps - seen,
+            detail="the wall clock stepped: expired leases are taken over again only "
+            "once this clock has run one lease period without a step",
+        )
+    return steps
 
 
 async def stopped(dispatcher: RunningDispatcher) -> None:

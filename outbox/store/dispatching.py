@@ -56,6 +56,9 @@ def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     )  # fmt: skip
 
 
+#: ``steady_ms`` of a caller whose clock is not watched for steps: any expired lease.
+_ANY_LEASE = 2**62
+
 #: The length of a claimed row that carries its round and rotation place before "was"
 #: (PostgreSQL's claim): the 19 ``_CLAIMED_COLUMNS``, then rn, pos, was.
 _PLACED = 22
@@ -133,17 +136,22 @@ class DispatchQueries:
     )
 
     def claim(
-        self, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int
-    ) -> tuple[list[Claimed], list[Recovered]]:
+        self, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int,
+        server_clock: bool = False, steady_ms: int | None = None,
+    ) -> tuple[list[Claimed], list[Recovered]]:  # fmt: skip
         """Take up to ``limit`` due operations under a new lease, in one short transaction.
 
         Operations whose previous lease expired are taken too; their open attempts are
-        closed as ``unknown`` in the same transaction.
+        closed as ``unknown`` in the same transaction. Leases are judged and written by
+        ``now_ms``, or with ``server_clock`` by the database server's clock where it has
+        one (PostgreSQL); an expired lease longer than ``steady_ms`` (how long the
+        caller's clock has run without a step) is not taken over. See
+        DESIGN-NOTES "Leases that survive a clock step".
         """
         with self.write() as conn:
-            return self._claim_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit
-            )
+            now_ms = self._claim_clock(conn, now_ms, server_clock)
+            return self._claim_on(conn, owner=owner, token=token, now_ms=now_ms,
+                                  lease_ms=lease_ms, limit=limit, steady_ms=steady_ms)  # fmt: skip
 
     def claim_and_begin(
         self,
@@ -154,6 +162,8 @@ class DispatchQueries:
         lease_ms: int,
         limit: int,
         plan: Callable[[list[Claimed]], ClaimPlan],
+        server_clock: bool = False,
+        steady_ms: int | None = None,
     ) -> ClaimResult:
         """Claim a batch and commit its attempt rows in the same transaction.
 
@@ -165,8 +175,10 @@ class DispatchQueries:
         sent either; the attempts it may have written are closed at the lease's end.)
         """
         with self.write() as conn:
-            return self._claim_and_begin_on(conn, owner=owner, token=token, now_ms=now_ms,
-                                            lease_ms=lease_ms, limit=limit, plan=plan)  # fmt: skip
+            return self._claim_and_begin_on(
+                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
+                plan=plan, server_clock=server_clock, steady_ms=steady_ms,
+            )  # fmt: skip
 
     def record_and_claim(
         self,
@@ -178,6 +190,8 @@ class DispatchQueries:
         lease_ms: int,
         limit: int,
         plan: Callable[[list[Claimed]], ClaimPlan],
+        server_clock: bool = False,
+        steady_ms: int | None = None,
     ) -> tuple[set[int], ClaimResult]:
         """``record_outcomes`` then ``claim_and_begin``, in one transaction (one COMMIT
         where there were two). The outcomes are fenced exactly as on their own; if any
@@ -186,7 +200,7 @@ class DispatchQueries:
             written = self._record_on(conn, now_ms=now_ms, outcomes=outcomes)
             result = self._claim_and_begin_on(
                 conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
-                plan=plan,
+                plan=plan, server_clock=server_clock, steady_ms=steady_ms,
             )  # fmt: skip
         return written, result
 
@@ -202,10 +216,15 @@ class DispatchQueries:
         plan: Callable[[list[Claimed]], ClaimPlan],
         statement: Any = None,
         extra: dict[str, Any] | None = None,
+        server_clock: bool = False,
+        steady_ms: int | None = None,
     ) -> ClaimResult:
+        # ``plan`` judges windows by the caller's clock; the leases, the attempts and
+        # what is settled or given back here are written by the claim's own time.
+        now_ms = self._claim_clock(conn, now_ms, server_clock)
         claimed, recovered = self._claim_on(
             conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
-            statement=statement, extra=extra,
+            statement=statement, extra=extra, steady_ms=steady_ms,
         )  # fmt: skip
         if not claimed:
             return ClaimResult([], [], ClaimPlan(), [], set())
@@ -225,19 +244,22 @@ class DispatchQueries:
     def _claim_on(
         self, conn: Connection, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int,
         statement: Any = None, extra: dict[str, Any] | None = None,
+        steady_ms: int | None = None,
     ) -> tuple[list[Claimed], list[Recovered]]:
         # ``statement``/``extra``: another claim of the same shape and its parameters
-        # (the half-open probe's, outbox.store.endpoints).
+        # (the half-open probe's, outbox.store.endpoints). ``now_ms``: the claim's own
+        # time (``_claim_clock``, which also prepared the transaction).
         until = now_ms + lease_ms
         built, has_was = self._claim_built
-        self._before_claim(conn)
         cursor = self.tenant_cursor
         params: dict[str, Any] = {
             "now_ms": now_ms, "limit": limit, "c_token": token, "c_owner": owner,
             "c_until": until, "c_now": now_ms,
+            "steady_ms": _ANY_LEASE if steady_ms is None else steady_ms,
         }  # fmt: skip
         if statement is None:  # the fair claim: its rotation and per-tenant limits
             params.update(cursor=cursor, caps=caps_json(self.tenant_caps))
+            params.update(self._takeover_params(conn, now_ms, steady_ms))
         rows = conn.execute(built if statement is None else statement,
                             {**params, **(extra or {})}).all()  # fmt: skip
         if not rows:
@@ -259,6 +281,19 @@ class DispatchQueries:
 
     def _before_claim(self, conn: Connection) -> None:
         """A dialect's preparation of the claim's transaction (nothing by default)."""
+
+    def _takeover_params(
+        self, conn: Connection, now_ms: int, steady_ms: int | None
+    ) -> dict[str, Any]:
+        """A dialect's further parameters of the fair claim's takeover rule (none)."""
+        return {}
+
+    def _claim_clock(self, conn: Connection, now_ms: int, server_clock: bool) -> int:
+        """Prepare the claim's transaction (``_before_claim``) and return the time its
+        leases are judged and written by: ``now_ms``, unless ``server_clock`` asks for
+        the database server's clock and the dialect has one (PostgreSQL's override)."""
+        self._before_claim(conn)
+        return now_ms
 
     def _close_open_attempts(
         self, conn: Connection, pks: Sequence[int], now_ms: int

@@ -160,14 +160,18 @@ class EndpointQueries(DispatchQueries):
         now_ms: int,
         lease_ms: int,
         plan: Callable[[list[Claimed]], ClaimPlan],
+        server_clock: bool = False,
+        steady_ms: int | None = None,
     ) -> ClaimResult:
         """Claim the endpoint's oldest due operation (one) and begin its attempt, past
-        the block of its circuit: the half-open probe. Only the probe lease's holder."""
+        the block of its circuit: the half-open probe. Only the probe lease's holder.
+        ``server_clock``, ``steady_ms``: as :meth:`claim`."""
         with self.write() as conn:
             return self._claim_and_begin_on(
                 conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=1,
                 plan=plan, statement=self._probe_claim_statement(),
-                extra={"probe_endpoint": endpoint},
+                extra={"probe_endpoint": endpoint}, server_clock=server_clock,
+                steady_ms=steady_ms,
             )  # fmt: skip
 
     def probe_failed(self, name: str, *, owner: str, now_ms: int, next_probe_at: int,

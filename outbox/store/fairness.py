@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import String, Text, bindparam
+from sqlalchemy import BigInteger, String, Text, bindparam
 
 from outbox.model import BLOCKING_STATES, DUE_STATES
 from outbox.store.statements import sql_list
@@ -53,7 +53,8 @@ def _cap(dialect: str, alias: str) -> str:
 def fair_claim_sql(dialect: str) -> str:
     """The ids to claim, with ``was`` (the state before), ``rn`` (the round) and ``pos``
     (the tenant's place in the rotation); parameters ``now_ms``, ``limit``, ``cursor``,
-    ``caps``. PostgreSQL's locks its rows (``FOR UPDATE SKIP LOCKED``)."""
+    ``caps``, ``steady_ms`` (and on SQLite ``gone``). PostgreSQL's locks its rows
+    (``FOR UPDATE SKIP LOCKED``)."""
     pg = dialect == "postgresql"
     ix = "" if pg else " INDEXED BY ix_outbox_operations_fair"
     fx = "" if pg else " INDEXED BY ix_outbox_operations_tenant_in_flight"
@@ -75,6 +76,17 @@ def fair_claim_sql(dialect: str) -> str:
         "SELECT 1 FROM outbox_endpoints AS b WHERE b.name = o.endpoint AND b.blocked = 1"
     )
     cap = _cap(dialect, "o")
+    # An expired lease is taken over only if it is no longer than the claiming clock
+    # has run without a step (``steady_ms``; outbox.clock.SystemClock, DESIGN-NOTES
+    # "Leases that survive a clock step"). A lease's length is its end minus the claim
+    # that wrote it (``updated_at``).
+    # On SQLite also a lease whose holder is known to have exited on this host (``gone``,
+    # a JSON array of dispatcher ids: outbox.store.liveness.gone_holders).
+    gone = "" if pg else " OR o.lease_owner IN (SELECT value FROM json_each(:gone))"
+    held = (
+        "(o.state <> 'in_flight' "
+        f"OR COALESCE(o.lease_until - o.updated_at, 0) <= :steady_ms{gone})"
+    )
     in_flight = (
         f"(SELECT count(*) FROM {_T} AS f{fx} WHERE f.state = 'in_flight' "
         f"AND f.tenant = o.tenant AND f.endpoint = o.endpoint AND f.lease_until > :now_ms)"
@@ -83,7 +95,7 @@ def fair_claim_sql(dialect: str) -> str:
     room = f"CASE WHEN {cap} IS NULL THEN NULL ELSE {cap} - {in_flight} END"
     claimable = (
         f"FROM {_T} AS o{ix} WHERE o.tenant = ring.tenant AND o.{_DUE} "
-        f"AND o.next_attempt_at <= :now_ms "
+        f"AND o.next_attempt_at <= :now_ms AND {held} "
         f"AND (o.ordering_key IS NULL OR NOT EXISTS ({blocked})) "
         f"AND NOT EXISTS ({endpoint_blocked}) "
         f"AND ({cap} IS NULL OR {in_flight} < {cap})"
@@ -142,9 +154,10 @@ def fair_claim_sql(dialect: str) -> str:
     return rotation + "SELECT id FROM ranked WHERE fits = 1 ORDER BY rn, pos LIMIT :limit"
 
 
-def fair_params() -> tuple[Any, Any]:
+def fair_params() -> tuple[Any, Any, Any]:
     """The fair claim's parameters beside ``now_ms`` and ``limit``."""
-    return bindparam("cursor", type_=String), bindparam("caps", type_=Text)
+    return (bindparam("cursor", type_=String), bindparam("caps", type_=Text),
+            bindparam("steady_ms", type_=BigInteger))  # fmt: skip
 
 
 def next_cursor(

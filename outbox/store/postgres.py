@@ -131,6 +131,12 @@ def _attempts_insert() -> Any:
     )  # fmt: skip
 
 
+#: ``SET LOCAL jit = off`` (see ``_before_claim``) and the server's time in epoch ms.
+_PREPARE_CLAIM = text(
+    "SELECT set_config('jit', 'off', true), "
+    "CAST(floor(extract(epoch FROM clock_timestamp()) * 1000) AS BIGINT)"
+)
+
 _ATTEMPTS_UPDATE = _attempts_update()
 _ATTEMPTS_INSERT = _attempts_insert()
 
@@ -278,6 +284,14 @@ class PostgresStore(Store):
         # rows, 100 ms -> 6 ms). For this transaction only; the pool's sessions keep
         # their settings.
         conn.exec_driver_sql("SET LOCAL jit = off")
+
+    def _claim_clock(self, conn: Connection, now_ms: int, server_clock: bool) -> int:
+        # Leases judged by the server's clock: read in the statement that prepares the
+        # transaction (no round trip more), so no dispatcher's clock, stepped or not,
+        # can make a live lease look expired or write one that is.
+        if not server_clock:
+            return super()._claim_clock(conn, now_ms, server_clock)
+        return int(conn.execute(_PREPARE_CLAIM).one()[1])
 
     def server_time_ms(self) -> int | None:
         with self.read() as conn:

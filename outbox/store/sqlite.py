@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Engine,
     Select,
     Text,
@@ -33,6 +35,7 @@ from outbox.store.changes import ChangeSource, SqliteWatch, local_key
 from outbox.store.changes import announce as announce_change
 from outbox.store.engine import check_private_file, lock_key, sqlite_path
 from outbox.store.fairness import fair_claim_sql, fair_params
+from outbox.store.liveness import GONE_LOOKUP_SECONDS, gone_holders
 from outbox.store.statements import CLAIM_VALUES, claim_limits, claimable_ids
 from outbox.store.tables import operations
 from outbox.store.writelock import held_by_caller
@@ -64,6 +67,8 @@ _DUE_SQL = fair_claim_sql("sqlite")
 
 class SqliteStore(Store):
     dialect = "sqlite"
+    #: When gone lease holders were last looked up, and the JSON array found.
+    _gone: tuple[float, str] = (float("-inf"), "[]")
 
     def _insert_ignoring_duplicate(self) -> Any:
         statement = sqlite_insert(operations)
@@ -95,6 +100,18 @@ class SqliteStore(Store):
 
     def _probe_claim_statement(self) -> Any:
         return self._probe_claim
+
+    def _takeover_params(
+        self, conn: Connection, now_ms: int, steady_ms: int | None
+    ) -> dict[str, Any]:
+        # The holders of the leases the steady rule holds back that are known gone:
+        # looked up at most once a second (a holder that is gone stays gone; one that
+        # died since waits a second more), not at every claim.
+        at, gone = self._gone
+        if steady_ms is None or time.monotonic() - at >= GONE_LOOKUP_SECONDS:
+            gone = json.dumps(gone_holders(conn, now_ms=now_ms, steady_ms=steady_ms))
+            self._gone = (time.monotonic(), gone)
+        return {"gone": gone}
 
     def _pks_in(self, column: ColumnElement[Any], name: str) -> ColumnElement[bool]:
         # The keys as one JSON array: the same SQL text (and prepared statement) for

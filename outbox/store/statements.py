@@ -93,7 +93,14 @@ def claimable_ids(now_ms: Any, limit: Any, *, probe: bool = False) -> Select[Any
         .where(or_(operations.c.ordering_key.is_(None), ~blocked))
     )
     if probe:
-        ids = ids.where(operations.c.endpoint == bindparam("probe_endpoint"))
+        # As the fair claim: an expired lease no longer than the clock's steady time
+        # (``steady_ms``, store.fairness).
+        held = or_(
+            operations.c.state != State.IN_FLIGHT.value,
+            func.coalesce(operations.c.lease_until - operations.c.updated_at, 0)
+            <= bindparam("steady_ms", type_=BigInteger),
+        )
+        ids = ids.where(operations.c.endpoint == bindparam("probe_endpoint"), held)
     else:
         ids = ids.where(~endpoint_blocked())
     return ids.order_by(operations.c.next_attempt_at).limit(limit)

@@ -402,7 +402,8 @@ def test_the_claim_plan_uses_only_indexes_on_sqlite(make_ob: MakeOutbox, db_url:
     with ob.engine.connect() as conn:
         rows = [(r[0], r[1], str(r[3])) for r in conn.exec_driver_sql(
             "EXPLAIN QUERY PLAN " + fair_claim_sql("sqlite"),
-            {"now_ms": 0, "limit": 32, "cursor": "", "caps": "{}"},
+            {"now_ms": 0, "limit": 32, "cursor": "", "caps": "{}", "steady_ms": 2**62,
+             "gone": "[]"},
         )]  # fmt: skip
     plan = [detail for _, _, detail in rows]
     tables = [line for line in plan if re.search(r"\b(outbox_operations|o|e|f)\b", line)]

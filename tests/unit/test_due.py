@@ -121,7 +121,14 @@ def test_the_fair_claim_takes_exactly_the_claimable_rows(engine: Any) -> None:
     with engine.connect() as conn:
         rows = conn.execute(
             text(fair_claim_sql("sqlite")),
-            {"now_ms": NOW, "limit": 100, "cursor": "", "caps": "{}"},
+            {
+                "now_ms": NOW,
+                "limit": 100,
+                "cursor": "",
+                "caps": "{}",
+                "steady_ms": 2**62,
+                "gone": "[]",
+            },
         )
         taken = _names(conn, [r[0] for r in rows])
     assert sorted(taken) == sorted(CLAIMABLE)
