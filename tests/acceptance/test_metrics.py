@@ -44,7 +44,10 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def _scrape(port: int) -> Samples:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    # A failing collector turns the scrape into wsgiref's error page: say so.
+    assert response.status_code == 200, (response.status_code, response.text[:500])
+    text = response.text
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -146,6 +149,9 @@ def test_scraped_metrics_equal_the_outbox_tables(
                 except httpx.TransportError:
                     time.sleep(0.1)
                     continue
+                except AssertionError:
+                    proc.terminate()
+                    raise AssertionError(proc.communicate(timeout=30)[1][-4000:]) from None
                 finished = sum(_by(samples, "outbox_operations_finished_total",
                                    "endpoint", "state", "reason").values())  # fmt: skip
                 idle = samples.get(("outbox_dispatcher_requests_in_flight", ())) == 0
