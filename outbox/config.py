@@ -283,6 +283,7 @@ class Endpoint:
         "idempotent-replayed",
         "idempotency-replayed",
         "x-idempotent-replayed",
+        "idempotency-key-retention",
         "content-type",
     )
     #: Bytes of a response body kept as evidence; beyond it only a hash is kept.

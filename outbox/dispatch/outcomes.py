@@ -194,6 +194,12 @@ def attempt_outcome(
             window_started_at_ms=started.window_started_at,
             first_attempt_at_ms=started.first_attempt_at,
         )
+        declared = result.declared_retention_ms
+        if declared is not None:
+            # The receiver says how long it keeps keys (classify.RETENTION_HEADER): a
+            # retry must start before it forgets this one, whatever key_retention says.
+            by_declared = started.first_attempt_at + declared - endpoint.policy_snapshot().margin_ms
+            deadline = min(deadline, by_declared)
     decision = decide(
         endpoint=endpoint,
         verdict=cls.verdict,

@@ -23,6 +23,7 @@ from outbox.classify import (
     REFUSAL_STATUSES,
     Classification,
     classify_response,
+    declared_retention,
     is_key_mismatch,
     replay_marker,
 )
@@ -49,6 +50,8 @@ class AttemptResult:
     error_message: str | None
     duration_ms: int
     result: StoredResult | None
+    #: The key retention the answer declares (``classify.RETENTION_HEADER``), in ms.
+    declared_retention_ms: int | None = None
 
 
 class _ResponseHeaders:
@@ -546,7 +549,13 @@ async def send_attempt(
         result=_stored_result(endpoint, response, received, kept, redactor, headers=answered)
         if keep
         else None,
+        declared_retention_ms=_declared_ms(response.headers),
     )
+
+
+def _declared_ms(headers: httpx.Headers) -> int | None:
+    declared = declared_retention(headers)
+    return None if declared is None else int(declared.total_seconds() * 1000)
 
 
 __all__ = [
