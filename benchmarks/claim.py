@@ -115,7 +115,8 @@ def _put_back(engine: Any, pks: list[int], now_ms: int) -> None:
 def claim_plan(store: Any, now_ms: int) -> str:
     """The database's plan for the claim statement, as text."""
     params = {"now_ms": now_ms, "limit": 100, "c_token": "t", "c_owner": "o",
-              "c_until": now_ms + 30_000, "c_now": now_ms, "cursor": "", "caps": "{}"}  # fmt: skip
+              "c_until": now_ms + 30_000, "c_now": now_ms, "cursor": "", "caps": "{}",
+              "steady_ms": 2**62, "gone": "[]"}  # fmt: skip
     compiled = store._claim_statement().compile(dialect=store.engine.dialect)
     bound = compiled.construct_params(params)
     sql = str(compiled)
