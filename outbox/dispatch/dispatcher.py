@@ -32,6 +32,7 @@ from outbox.dispatch.dbthread import (
     error_detail,
     write_while_leased,
 )
+from outbox.dispatch.limits import Limits
 from outbox.dispatch.outcomes import (
     DispatchSummary,
     Work,
@@ -115,6 +116,8 @@ class Dispatcher:
             now_ms=clock.now_ms, monotonic=clock.monotonic, run_db=self._run_db,
             lease_ms=int(self.lease_seconds * 1000), log=self._log,
         )  # fmt: skip
+        self.limits = Limits(store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
+                             clock=clock, run_db=self._run_db, log=self._log)  # fmt: skip
         self._sender = AttemptSender(
             clock=clock, lease_margin_seconds=settings.lease_margin_seconds,
             summary=self.summary, observe=self._observe, log=self._log, client=self._client,
@@ -122,6 +125,7 @@ class Dispatcher:
             # Late-bound: looked up at each attempt (tests/soak/planted.py patches it).
             lease_left=lambda work: self._lease_left(work),  # noqa: PLW0108
             known_down=self.breaker.known_down, crashed=self._attempt_crashed,
+            limits=self.limits,
         )  # fmt: skip
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
@@ -295,6 +299,7 @@ class Dispatcher:
         due, tell the wake-up when the next operation or probe is."""
         await self._maybe_sync_clock()
         await self.breaker.tick(self._claim_probe)
+        self.limits.seen(self.breaker.states)
         self.wakeup.before_claim()
         got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
         if nothing and not once:
@@ -338,6 +343,7 @@ class Dispatcher:
         await self._no_claim.wait()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.limits.close()
         await self._outcomes.put(None)
         try:  # a writer that died re-raises here, after the cleanup below
             await writer
