@@ -82,10 +82,10 @@ class LimitQueries:
             if rate is None:
                 return RateGrant(now_us, want, None)
             start = max(row.rate_cursor_us or 0, now_us)  # type: ignore[attr-defined]
-            room_us = now_us + horizon_ms * 1000 - start
-            if room_us < 0:
+            fits = math.floor((now_us + horizon_ms * 1000 - start) * rate / 1e6)
+            if fits < 1:  # the budget is handed out up to the horizon: come back later
                 return RateGrant(start, 0, rate)
-            count = max(1, min(want, math.floor(room_us * rate / 1e6)))
+            count = min(want, fits)
             conn.execute(
                 update(endpoint_states)
                 .where(t.name == name)
@@ -153,11 +153,14 @@ class LimitQueries:
         return new
 
     def lease_slots(
-        self, name: str, *, owner: str, now_ms: int, want: int, limit: int, lease_ms: int
-    ) -> int:
+        self, name: str, *, owner: str, now_ms: int, want: int, limit: int, lease_ms: int,
+        in_use: int = 0,
+    ) -> int:  # fmt: skip
         """Lease in-flight permits of the endpoint's ``limit``: up to ``want``, within what
         the others hold, and no more than a fair share while another wants more than it
-        holds. ``want == 0`` gives this dispatcher's permits back. The permits held."""
+        holds, but never fewer than the ``in_use`` ones (requests on the wire keep their
+        permits until they end). ``want == 0`` gives this dispatcher's permits back. The
+        permits held."""
         s = endpoint_slices.c
         with self.write() as conn:
             self._locked_row(conn, name, now_ms)  # one lease of the endpoint at a time
@@ -175,6 +178,7 @@ class LimitQueries:
             permits = max(0, min(want, limit - held))
             if any(r.wanted > r.permits for r in others):
                 permits = min(permits, fair)
+            permits = max(permits, min(in_use, limit - held))
             values = {"permits": permits, "wanted": want, "until": now_ms + lease_ms}
             if any(r.owner == owner for r in rows):
                 conn.execute(
