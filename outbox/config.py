@@ -179,7 +179,7 @@ class Throttle:
     decrease: float = 0.8
     #: The fraction of the rate added back per ``interval`` without a refusal (at
     #: least ``min_rate``).
-    increase: float = 0.04
+    increase: float = 0.02
     #: The least rate a throttle goes down to, in requests per second.
     min_rate: float = 1.0
     interval: timedelta = timedelta(seconds=1)

@@ -49,7 +49,7 @@ HORIZON_MS = 1000
 #: A slice of the rate budget is about this many seconds of it.
 SLICE_SECONDS = 0.25
 #: A send time later than this is dropped (bounds the overshoot; see the module).
-LATE_SECONDS = 0.05
+LATE_SECONDS = 0.025
 #: In-flight permits are leased for this long (renewed every PERIOD).
 PERMIT_LEASE_MS = 3000
 
