@@ -117,15 +117,15 @@ class Dispatcher:
             lease_ms=int(self.lease_seconds * 1000), log=self._log,
         )  # fmt: skip
         self.limits = Limits(store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
-                             clock=clock, run_db=self._run_db, log=self._log)  # fmt: skip
+                             clock=clock, run_db=self._run_db, log=self._log,
+                             lease_seconds=self.lease_seconds)  # fmt: skip
         self._sender = AttemptSender(
             clock=clock, lease_margin_seconds=settings.lease_margin_seconds,
             summary=self.summary, observe=self._observe, log=self._log, client=self._client,
             secret_headers=self._secret_headers, outcomes=self._outcomes,
             # Late-bound: looked up at each attempt (tests/soak/planted.py patches it).
             lease_left=lambda work: self._lease_left(work),  # noqa: PLW0108
-            known_down=self.breaker.known_down, crashed=self._attempt_crashed,
-            limits=self.limits,
+            known_down=self.breaker.known_down, crashed=self._attempt_crashed, limits=self.limits,
         )  # fmt: skip
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
@@ -299,9 +299,9 @@ class Dispatcher:
         due, tell the wake-up when the next operation or probe is."""
         await self._maybe_sync_clock()
         await self.breaker.tick(self._claim_probe)
-        self.limits.seen(self.breaker.states)
         self.wakeup.before_claim()
-        got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
+        limit = self.limits.room(min(free, self.settings.batch_size), self.breaker.states)
+        got, nothing = await self._claim_and_start(limit)
         if nothing and not once:
             self.wakeup.next_due(
                 await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())

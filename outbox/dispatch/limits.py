@@ -95,8 +95,10 @@ class Limits:
         clock: Clock,
         run_db: RunDb,
         log: Any,
+        lease_seconds: float = 30.0,
     ) -> None:
         self._store = store
+        self._lease_seconds = lease_seconds
         self._owner = owner
         self._run_db = run_db
         self._log = log
@@ -111,6 +113,21 @@ class Limits:
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- the send path ------------------------------------------------------------
+
+    def room(self, limit: int, states: Mapping[str, EndpointState]) -> int:
+        """How many operations to claim, of ``limit``, once the fleet's ``states`` (as the
+        breaker last read them) are seen: while every endpoint is held to a rate, no more
+        than half a lease of it can send, minus what already waits (the rest would wait
+        past its lease and be given back unsent). At least one."""
+        self.seen(states)
+        rates = [g.rate or g.endpoint.rate_limit for g in self._gates.values()]
+        if not rates or any(r is None for r in rates) or not all(
+            g.throttled or g.endpoint.rate_limit is not None for g in self._gates.values()
+        ):
+            return limit
+        sendable = sum(r for r in rates if r is not None) * self._lease_seconds / 2
+        waiting = sum(g.waiting for g in self._gates.values())
+        return max(1, min(limit, math.ceil(sendable) - waiting))
 
     def limited(self, name: str) -> bool:
         gate = self._gates.get(name)

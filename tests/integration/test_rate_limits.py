@@ -294,3 +294,24 @@ def test_three_dispatcher_processes_share_one_declared_limit(
     assert len(rx.requests()) <= 153  # <= 1.02 requests per operation
     with _outbox(pg_url, _endpoint(rx.url, rate_limit=30)) as ob:
         assert _states(ob, 150) == {State.SUCCEEDED: 150}
+
+
+def test_a_throttled_endpoint_is_claimed_no_faster_than_half_a_lease_can_send(
+    db_url: str,
+) -> None:
+    from outbox.dispatch.limits import Limits
+
+    endpoint = _endpoint("http://127.0.0.1:9", rate_limit=2)
+    with _outbox(db_url, endpoint) as ob:
+
+        async def run_db(fn: Any, **kw: Any) -> Any:
+            return fn(**kw)
+
+        limits = Limits(store=ob.store, endpoints={"rx": endpoint}, owner="d1",
+                        clock=ob.clock, run_db=run_db, log=None, lease_seconds=30.0)  # fmt: skip
+        # 2 requests/s for half a 30 s lease: 30 operations, not the 100 asked for.
+        assert limits.room(100, {}) == 30
+        unlimited = _endpoint("http://127.0.0.1:9")
+        free = Limits(store=ob.store, endpoints={"rx": unlimited}, owner="d2",
+                      clock=ob.clock, run_db=run_db, log=None)  # fmt: skip
+        assert free.room(100, {}) == 100
