@@ -160,7 +160,7 @@ class Throttle:
     """How 429 and 503 answers throttle an endpoint for the whole fleet
     (``outbox.dispatch.limits``): additive increase, multiplicative decrease.
 
-    The first refusal sets the fleet's rate from what the receiver says (the IETF
+    The first refusals set the fleet's rate from what the receiver says (the IETF
     ``RateLimit-Policy``/``RateLimit`` fields, ``X-RateLimit-*``) or, when it says
     nothing, from the answers this dispatcher got in the last second. Later refusals cut
     it by ``decrease`` (at most once per ``interval``); each ``interval`` without one
@@ -182,6 +182,11 @@ class Throttle:
     increase: float = 0.02
     #: The least rate a throttle goes down to, in requests per second.
     min_rate: float = 1.0
+    #: Refusals that name no rate (and no wait of ``pause_at_least``) throttle only when
+    #: they are at least this fraction of one dispatcher's answers over the last second
+    #: (and at least 3): a receiver's stray 503s are not a limit, and cutting the rate
+    #: for them would only slow everything down.
+    tolerance: float = 0.1
     interval: timedelta = timedelta(seconds=1)
     release_after: timedelta = timedelta(seconds=30)
     pause_at_least: timedelta = timedelta(seconds=2)
@@ -191,6 +196,8 @@ class Throttle:
             raise ConfigurationError("throttle decrease must be between 0 and 1")
         if not 0 < self.increase <= 1:
             raise ConfigurationError("throttle increase must be in (0, 1]")
+        if not 0 <= self.tolerance < 1:
+            raise ConfigurationError("throttle tolerance must be in [0, 1)")
         if not (math.isfinite(self.min_rate) and self.min_rate > 0):
             raise ConfigurationError("throttle min_rate must be positive")
         if self.interval <= timedelta(0) or self.release_after < self.interval:

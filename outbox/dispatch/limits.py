@@ -50,6 +50,9 @@ HORIZON_MS = 1000
 SLICE_SECONDS = 0.25
 #: A send time later than this is dropped (bounds the overshoot; see the module).
 LATE_SECONDS = 0.025
+#: Refusals in the last second below which (or below ``Throttle.tolerance`` of the
+#: answers) a refusal that names no rate and no long wait throttles nothing.
+MIN_REFUSALS = 3
 #: In-flight permits are leased for this long (renewed every PERIOD).
 PERMIT_LEASE_MS = 3000
 
@@ -68,6 +71,8 @@ class _Gate:
         self.waiting = 0
         #: Answers that were not refusals, by monotonic time (the rate the receiver took).
         self.answers: deque[float] = deque(maxlen=4096)
+        #: Throttling refusals, by monotonic time.
+        self.refusals: deque[float] = deque(maxlen=4096)
         self.in_flight = 0
         self.permits = 0
         self.permits_until = -math.inf
@@ -259,9 +264,16 @@ class Limits:
         throttle = endpoint.throttle
         assert throttle is not None
         now = time.monotonic()
+        gate.refusals.append(now)
         took = sum(1 for t in gate.answers if t > now - 1.0)
+        refused = sum(1 for t in gate.refusals if t > now - 1.0)
         hint = result.classification.rate_hint
         said = hint.rate if hint is not None else None
+        pause = _pause_ms(throttle, result, self._wall_ms())
+        if said is None and pause is None and (
+            refused < MIN_REFUSALS or refused < throttle.tolerance * (refused + took)
+        ):
+            return  # a stray refusal, not a limit: the retry policy paces that operation
         first = not gate.throttled
         gate.throttled = True
         gate.times.clear()  # the receiver refused: what was granted may be too fast
@@ -271,7 +283,6 @@ class Limits:
         if gate.writing:
             return
         gate.writing = True
-        pause = _pause_ms(throttle, result, self._wall_ms())
         task = asyncio.create_task(self._write_throttle(gate, throttle, float(took), said, pause))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
