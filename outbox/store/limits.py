@@ -137,6 +137,7 @@ class LimitQueries:
             if (
                 row.rate_changed_at != seen_changed_at
                 or now_ms - (row.rate_changed_at or 0) < interval_ms
+                or now_ms - (row.refused_at or 0) < interval_ms  # not a quiet interval
             ):
                 return float(row.rate)
             if now_ms - (row.refused_at or 0) >= release_after_ms:

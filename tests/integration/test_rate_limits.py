@@ -215,6 +215,14 @@ def test_the_throttle_is_lifted_after_a_quiet_spell(db_url: str, tmp_path: Path)
                                     release_after_ms=30_000)  # fmt: skip
         assert lifted is None
         assert store.endpoint_states()[0].rate is None
+        # Refused again, and again half a second later: the next second is not quiet,
+        # so it is not raised (the cut waits for its interval, the raise for quiet).
+        for at in (now, now + 500):
+            store.throttle("rx", now_ms=at, initial=10.0, said=None, decrease=0.8,
+                           min_rate=1.0, interval_ms=1000, pause_until_ms=None)  # fmt: skip
+        assert store.recover_rate("rx", now_ms=now + 1000, seen_changed_at=now,
+                                  step_fraction=0.1, min_step=1.0, interval_ms=1000,
+                                  release_after_ms=30_000) == 10.0  # fmt: skip
 
 
 def test_budget_slices_of_two_dispatchers_never_overlap(db_url: str, tmp_path: Path) -> None:
