@@ -183,8 +183,10 @@ def _log_lines(files: Iterable[Path]) -> tuple[Counter[str], int]:
 THROTTLE_STATUSES = (429, 503)
 
 
-def _throttle_refusal(attempt: Any) -> bool:
-    return attempt.delivery == "sent" and attempt.status_code in THROTTLE_STATUSES
+def _may_start_window(attempt: Any) -> bool:
+    if attempt.delivery == "not_sent":
+        return False
+    return not (attempt.delivery == "sent" and attempt.status_code in THROTTLE_STATUSES)
 
 
 def check(engine: Engine, receiver_db: Path, ev: Evidence) -> Verdict:
@@ -280,9 +282,10 @@ def check(engine: Engine, receiver_db: Path, ev: Evidence) -> Verdict:
         op = by_pk[att.operation_pk]
         if q["idempotency_key"] != op.operation_id or q["tenant"] != op.tenant:
             bad("O9_key_not_operation_id", (op.operation_id, q["idempotency_key"]))
-        # The window starts at the first attempt that was not refused before work under
-        # the fleet's throttle (429/503: nothing applied, the window does not start).
-        starts = [x.started_at for x in attempts_of[op.id] if not _throttle_refusal(x)]
+        # The window starts at the first attempt that may have reached the receiver:
+        # not one proven not sent, nor one refused before work under the fleet's
+        # throttle (429/503). Nothing of those was applied; each restarts the window.
+        starts = [x.started_at for x in attempts_of[op.id] if _may_start_window(x)]
         late = q["arrived_at_ms"] - deadline(op, min(starts)) if starts else 0
         if late > ev.epsilon_ms:
             bad("O11_sent_after_window", (op.operation_id, late))
