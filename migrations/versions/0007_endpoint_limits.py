@@ -26,7 +26,6 @@ def upgrade() -> None:
         batch.add_column(sa.Column("rate_changed_at", sa.BigInteger(), nullable=True))
         batch.add_column(sa.Column("refused_at", sa.BigInteger(), nullable=True))
         batch.add_column(sa.Column("rate_cursor_us", sa.BigInteger(), nullable=True))
-        batch.add_column(sa.Column("rate_ceiling", sa.Float(), nullable=True))
     op.create_table(
         "outbox_endpoint_slices",
         sa.Column("endpoint", sa.String(64), nullable=False),
@@ -41,7 +40,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("outbox_endpoint_slices")
     with op.batch_alter_table("outbox_endpoints") as batch:
-        batch.drop_column("rate_ceiling")
         batch.drop_column("rate_cursor_us")
         batch.drop_column("refused_at")
         batch.drop_column("rate_changed_at")

@@ -65,7 +65,7 @@ class LimitQueries:
         self._ensure_row(conn, name, now_ms)
         t = endpoint_states.c
         return conn.execute(
-            select(t.rate, t.rate_changed_at, t.refused_at, t.rate_cursor_us, t.rate_ceiling)
+            select(t.rate, t.rate_changed_at, t.refused_at, t.rate_cursor_us)
             .where(t.name == name)
             .with_for_update()
         ).one()
@@ -109,9 +109,7 @@ class LimitQueries:
             changed = False
             if rate is None:
                 rate, changed = max(min_rate, said or initial), True
-                values["rate_ceiling"] = said
             elif now_ms - changed_at >= interval_ms:
-                values["rate_ceiling"] = rate  # where the refusals began
                 cut = rate * decrease if said is None else min(rate * decrease, said)
                 rate, changed = max(min_rate, cut), True
             if changed:
@@ -124,19 +122,15 @@ class LimitQueries:
 
     def recover_rate(
         self, name: str, *, now_ms: int, seen_changed_at: int | None, step_fraction: float,
-        min_step: float, interval_ms: int, release_after_ms: int, fast: float = 1.25,
+        min_step: float, interval_ms: int, release_after_ms: int,
     ) -> float | None:  # fmt: skip
-        """No refusal for an interval: raise the rate (one dispatcher per interval wins),
-        or lift the throttle after ``release_after_ms`` of quiet. Far below where the
-        refusals began (the ceiling; or while that is unknown) the rate grows by
-        ``fast`` per interval, up to 0.9 of the ceiling; near it, by ``step_fraction``
-        (at least ``min_step``). The rate after it (None: lifted or not throttled)."""
+        """No refusal for an interval: add ``step_fraction`` of the rate back (one
+        dispatcher per interval wins), or lift the throttle after ``release_after_ms``
+        of quiet. The rate after it (None: lifted or not throttled)."""
         t = endpoint_states.c
         with self.write() as conn:
             row = conn.execute(
-                select(t.rate, t.rate_changed_at, t.refused_at, t.rate_ceiling).where(
-                    t.name == name
-                )
+                select(t.rate, t.rate_changed_at, t.refused_at).where(t.name == name)
             ).first()
             if row is None or row.rate is None:
                 return None
@@ -147,18 +141,10 @@ class LimitQueries:
             ):
                 return float(row.rate)
             if now_ms - (row.refused_at or 0) >= release_after_ms:
-                values: dict[str, object] = {"rate": None, "rate_changed_at": now_ms,
-                                             "rate_ceiling": None}  # fmt: skip
+                values: dict[str, object] = {"rate": None, "rate_changed_at": now_ms}
                 new: float | None = None
             else:
-                step = row.rate + max(min_step, row.rate * step_fraction)
-                ceiling = row.rate_ceiling
-                if ceiling is None:
-                    new = max(step, row.rate * fast)
-                elif row.rate < 0.9 * ceiling:
-                    new = max(step, min(row.rate * fast, 0.9 * ceiling))
-                else:
-                    new = step
+                new = row.rate + max(min_step, row.rate * step_fraction)
                 values = {"rate": new, "rate_changed_at": now_ms}
             conn.execute(
                 update(endpoint_states)

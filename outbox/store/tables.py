@@ -239,8 +239,6 @@ endpoint_states = Table(
     Column("refused_at", BigInteger, nullable=True),
     #: Epoch microseconds up to which the rate budget is handed out to dispatchers.
     Column("rate_cursor_us", BigInteger, nullable=True),
-    #: The throttle's rate when it was last cut (where refusals began); NULL: not known.
-    Column("rate_ceiling", Float, nullable=True),
 )
 
 #: The in-flight permits each dispatcher leases of an endpoint's ``max_in_flight``.
