@@ -126,8 +126,12 @@ class Limits:
         past its lease and be given back unsent). At least one."""
         self.seen(states)
         rates = [g.rate or g.endpoint.rate_limit for g in self._gates.values()]
-        if not rates or any(r is None for r in rates) or not all(
-            g.throttled or g.endpoint.rate_limit is not None for g in self._gates.values()
+        if (
+            not rates
+            or any(r is None for r in rates)
+            or not all(
+                g.throttled or g.endpoint.rate_limit is not None for g in self._gates.values()
+            )
         ):
             return limit
         sendable = sum(r for r in rates if r is not None) * self._lease_seconds / 2
@@ -270,8 +274,10 @@ class Limits:
         hint = result.classification.rate_hint
         said = hint.rate if hint is not None else None
         pause = _pause_ms(throttle, result, self._wall_ms())
-        if said is None and pause is None and (
-            refused < MIN_REFUSALS or refused < throttle.tolerance * (refused + took)
+        if (
+            said is None
+            and pause is None
+            and (refused < MIN_REFUSALS or refused < throttle.tolerance * (refused + took))
         ):
             return  # a stray refusal, not a limit: the retry policy paces that operation
         first = not gate.throttled
@@ -283,18 +289,24 @@ class Limits:
         if gate.writing:
             return
         gate.writing = True
-        task = asyncio.create_task(self._write_throttle(gate, throttle, float(took), said, pause))
+        sent_at = self._wall_ms() - result.duration_ms
+        task = asyncio.create_task(
+            self._write_throttle(
+                gate, throttle, took=float(took), said=said, pause=pause, sent_at=sent_at
+            )
+        )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _write_throttle(self, gate: _Gate, throttle: Throttle, took: float,
-                              said: float | None, pause: int | None) -> None:  # fmt: skip
+    async def _write_throttle(self, gate: _Gate, throttle: Throttle, *, took: float,
+                              said: float | None, pause: int | None,
+                              sent_at: int) -> None:  # fmt: skip
         try:
             result = await self._run_db(
                 self._store.throttle, name=gate.endpoint.name, now_ms=self._wall_ms(),
                 initial=max(throttle.min_rate, took), said=said, decrease=throttle.decrease,
                 min_rate=throttle.min_rate, interval_ms=_ms(throttle.interval),
-                pause_until_ms=pause,
+                pause_until_ms=pause, sent_at_ms=sent_at,
             )  # fmt: skip
             if result.changed:
                 self._log.warning("endpoint_throttled", endpoint=gate.endpoint.name,

@@ -96,15 +96,20 @@ class LimitQueries:
     def throttle(
         self, name: str, *, now_ms: int, initial: float, said: float | None, decrease: float,
         min_rate: float, interval_ms: int, pause_until_ms: int | None,
+        sent_at_ms: int | None = None,
     ) -> Throttled:  # fmt: skip
         """A refusal: start the throttle at the rate the receiver ``said`` (or else
         ``initial`` requests/s), or cut it by ``decrease`` (once per ``interval_ms``, never
-        above what the receiver said); a pause moves the budget's cursor."""
+        above what the receiver said); a pause moves the budget's cursor. A refusal of a
+        request sent (``sent_at_ms``) before the rate's last change says nothing of the
+        new rate: it is ignored."""
         t = endpoint_states.c
         with self.write() as conn:
             row = self._locked_row(conn, name, now_ms)
             rate: float | None = row.rate  # type: ignore[attr-defined]
             changed_at = row.rate_changed_at or 0  # type: ignore[attr-defined]
+            if rate is not None and sent_at_ms is not None and sent_at_ms <= changed_at:
+                return Throttled(rate, False)  # sent at the old rate
             values: dict[str, object] = {"refused_at": now_ms}
             changed = False
             if rate is None:

@@ -223,6 +223,13 @@ def test_the_throttle_is_lifted_after_a_quiet_spell(db_url: str, tmp_path: Path)
         assert store.recover_rate("rx", now_ms=now + 1000, seen_changed_at=now,
                                   step_fraction=0.1, min_step=1.0, interval_ms=1000,
                                   release_after_ms=30_000) == 10.0  # fmt: skip
+        # A refusal of a request sent before the rate's last change says nothing of
+        # the new rate: ignored (neither a cut nor a refusal that spoils the quiet).
+        late = store.throttle("rx", now_ms=now + 2000, initial=10.0, said=None,
+                              decrease=0.8, min_rate=1.0, interval_ms=1000,
+                              pause_until_ms=None, sent_at_ms=now - 100)  # fmt: skip
+        assert (late.rate, late.changed) == (10.0, False)
+        assert store.endpoint_states()[0].refused_at == now + 500
 
 
 def test_budget_slices_of_two_dispatchers_never_overlap(db_url: str, tmp_path: Path) -> None:
