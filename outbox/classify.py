@@ -34,6 +34,7 @@ that nothing happened: the retry policy turns it into ``conflicting_evidence``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -149,6 +150,64 @@ def parse_retry_after(value: str | None, now_ms: int) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
+class RateHint:
+    """What a refusal says of the receiver's limit: its rate in requests per second,
+    and how long until its budget comes back (either may be unknown)."""
+
+    rate: float | None = None
+    reset_seconds: float | None = None
+
+
+_PARAM = re.compile(r";\s*([a-z]+)\s*=\s*([0-9]+(?:\.[0-9]+)?)")
+
+
+def _params(value: str | None) -> dict[str, float]:
+    """``"default";q=50;w=1`` (the IETF structured fields): the first item's numbers."""
+    if not value:
+        return {}
+    first = value.split(",", 1)[0]
+    return {k: float(v) for k, v in _PARAM.findall(first.lower())}
+
+
+def _number(value: str | None) -> float | None:
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        number = float(value.split(",", 1)[0].split(";", 1)[0])
+    except ValueError:
+        return None
+    return number if number >= 0 and math.isfinite(number) else None
+
+
+def rate_hint(headers: httpx.Headers | None, now_ms: int) -> RateHint | None:
+    """The limit a refusal declares: the IETF ``RateLimit-Policy``/``RateLimit`` fields
+    (``q`` per ``w`` seconds; ``t`` seconds to reset), their older ``RateLimit-Limit``/
+    ``-Reset`` form, or ``X-RateLimit-Limit``/``-Reset`` (delta seconds, or an epoch
+    time). Without a window an ``X-`` limit is read as per ``max(reset, 1)`` seconds.
+    None when it declares nothing."""
+    if headers is None:
+        return None
+    policy = _params(headers.get("ratelimit-policy"))
+    current = _params(headers.get("ratelimit"))
+    rate = reset = None
+    if "q" in policy and policy["q"] > 0:
+        rate = policy["q"] / max(policy.get("w", 1.0), 0.001)
+    if "t" in current:
+        reset = current["t"]
+    limit = _number(headers.get("ratelimit-limit") or headers.get("x-ratelimit-limit"))
+    raw_reset = _number(headers.get("ratelimit-reset") or headers.get("x-ratelimit-reset"))
+    if raw_reset is not None and reset is None:
+        # An epoch time (X-RateLimit-Reset: 1700000000), or delta seconds.
+        reset = max(0.0, raw_reset - now_ms / 1000) if raw_reset > 1e9 else raw_reset
+    if rate is None and limit is not None and limit > 0:
+        rate = limit / max(reset or 1.0, 1.0)
+    if rate is None and reset is None:
+        return None
+    return RateHint(rate, reset)
+
+
+@dataclass(frozen=True, slots=True)
 class Classification:
     """The verdict on one attempt, and what it says about delivery.
 
@@ -165,6 +224,8 @@ class Classification:
     #: A 5xx the receiver marks as the replay of the result it stored for this key: every
     #: retry would get it again, so the policy stops at once (``outcome_unknown``).
     replayed_failure: bool = False
+    #: What a refusal says of the receiver's rate limit (read from 429 and 503 only).
+    rate_hint: RateHint | None = None
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -261,9 +322,11 @@ def classify_response(
         )
     family = StatusFamily.of(status)
     if family is StatusFamily.REFUSAL:
+        hint = rate_hint(response.headers, now_ms) if status in (429, 503) else None
         return Classification(
-            Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after
-        )
+            Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after,
+            rate_hint=hint,
+        )  # fmt: skip
     if family is StatusFamily.MAYBE_APPLIED:
         return Classification(
             Verdict.RETRY, Delivery.SENT, maybe_applied=True, retry_after_seconds=retry_after
@@ -283,8 +346,10 @@ __all__ = [
     "REPLAY_HEADERS",
     "STALE_MARKERS",
     "Classification",
+    "RateHint",
     "body_reading",
     "classify_response",
     "is_key_mismatch",
+    "rate_hint",
     "replay_marker",
 ]

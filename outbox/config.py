@@ -155,6 +155,58 @@ class CircuitBreaker:
             raise ConfigurationError("refresh_seconds must be positive")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Throttle:
+    """How 429 and 503 answers throttle an endpoint for the whole fleet
+    (``outbox.dispatch.limits``): additive increase, multiplicative decrease.
+
+    The first refusals set the fleet's rate from what the receiver says (the IETF
+    ``RateLimit-Policy``/``RateLimit`` fields, ``X-RateLimit-*``) or, when it says
+    nothing, from the answers this dispatcher got in the last second. Later refusals cut
+    it by ``decrease`` (at most once per ``interval``); each ``interval`` without one
+    adds ``increase`` of it back while the throttle holds work back; after
+    ``release_after`` without a refusal the throttle is lifted. A ``Retry-After`` of at
+    least ``pause_at_least`` pauses the endpoint's sends fleet-wide until it passes.
+
+    A refusal under throttle is a refusal before work: it does not spend
+    ``max_attempts``, and the operation stays bounded by ``deliver_within``, not by the
+    retry window.
+    """
+
+    #: The answers that throttle (refusals before work).
+    statuses: frozenset[int] = frozenset({429, 503})
+    #: The rate is multiplied by this on a refusal.
+    decrease: float = 0.8
+    #: The fraction of the rate added back per ``interval`` without a refusal (at
+    #: least ``min_rate``).
+    increase: float = 0.02
+    #: The least rate a throttle goes down to, in requests per second.
+    min_rate: float = 1.0
+    #: Refusals that name no rate (and no wait of ``pause_at_least``) throttle only when
+    #: they are at least this fraction of one dispatcher's answers over the last second
+    #: (and at least 3): a receiver's stray 503s are not a limit, and cutting the rate
+    #: for them would only slow everything down.
+    tolerance: float = 0.1
+    interval: timedelta = timedelta(seconds=1)
+    release_after: timedelta = timedelta(seconds=30)
+    pause_at_least: timedelta = timedelta(seconds=2)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.decrease < 1:
+            raise ConfigurationError("throttle decrease must be between 0 and 1")
+        if not 0 < self.increase <= 1:
+            raise ConfigurationError("throttle increase must be in (0, 1]")
+        if not 0 <= self.tolerance < 1:
+            raise ConfigurationError("throttle tolerance must be in [0, 1)")
+        if not (math.isfinite(self.min_rate) and self.min_rate > 0):
+            raise ConfigurationError("throttle min_rate must be positive")
+        if self.interval <= timedelta(0) or self.release_after < self.interval:
+            raise ConfigurationError("throttle interval must be positive, release_after >= it")
+        if not self.statuses or not all(400 <= s < 600 for s in self.statuses):
+            raise ConfigurationError("throttle statuses must be 4xx or 5xx statuses")
+        object.__setattr__(self, "statuses", frozenset(self.statuses))
+
+
 #: Classifies a status lookup's (fully read) response.
 LookupClassifier: TypeAlias = Callable[["httpx.Response"], LookupResult]
 
@@ -304,6 +356,15 @@ class Endpoint:
     tenant_max_in_flight: int | None = None
     #: The fleet-wide circuit breaker of this endpoint; None: never opens (pause still works).
     circuit_breaker: CircuitBreaker | None = field(default_factory=CircuitBreaker)
+    #: At most this many requests per second to this endpoint, sent by every dispatcher
+    #: of the database together (``outbox.dispatch.limits``); None: no declared limit.
+    rate_limit: float | None = None
+    #: At most this many requests to this endpoint on the wire at once, counted by every
+    #: dispatcher of the database together; None: no declared limit.
+    max_in_flight: int | None = None
+    #: How 429/503 answers slow the whole fleet down when the receiver refuses; None:
+    #: they do not (each refusal is retried by the policy alone, and counted).
+    throttle: Throttle | None = field(default_factory=Throttle)
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -342,6 +403,18 @@ class Endpoint:
             raise ConfigurationError(f"endpoint {self.name!r}: result_body_limit must be >= 0")
         if self.read_limit < 1:
             raise ConfigurationError(f"endpoint {self.name!r}: read_limit must be >= 1")
+        rate = self.rate_limit
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
+                                 or not math.isfinite(rate) or rate <= 0):  # fmt: skip
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: rate_limit must be a positive number of "
+                "requests per second, or None"
+            )
+        cap = self.max_in_flight
+        if cap is not None and (type(cap) is not int or cap < 1):
+            raise ConfigurationError(
+                f"endpoint {self.name!r}: max_in_flight must be an int >= 1 or None"
+            )
         cap = self.tenant_max_in_flight
         if cap is not None and (type(cap) is not int or cap < 1):
             raise ConfigurationError(

@@ -31,6 +31,7 @@ from outbox.store.records import AttemptOutcome
 from outbox.wire.transport import request_headers, send_attempt, unbuilt_attempt
 
 if TYPE_CHECKING:
+    from outbox.dispatch.limits import Limits
     from outbox.observe.hooks import Instrumentation
 
 
@@ -51,6 +52,7 @@ class AttemptSender:
         lease_left: Callable[[Work], float],
         known_down: Callable[[str, int], bool],
         crashed: Callable[[int], None],
+        limits: Limits | None = None,
     ) -> None:
         self._clock = clock
         self._lease_margin = lease_margin_seconds
@@ -66,6 +68,8 @@ class AttemptSender:
         self._known_down = known_down
         #: Frees the slot of an attempt that raised before its outcome was queued.
         self._crashed = crashed
+        #: The fleet's rate and in-flight limits (``outbox.dispatch.limits``).
+        self._limits = limits
 
     async def send(self, work: Work) -> None:
         """Check the lease and the window, build the request, send it, queue the outcome."""
@@ -77,7 +81,10 @@ class AttemptSender:
             request_id=started.request_id,
             attempt=started.number,
         )
+        limits, held = self._limits, False
         try:
+            if limits is not None and limits.limited(endpoint.name):
+                held = await limits.admit(endpoint)  # wait for the fleet's limits
             await failpoints.hit("after_attempt_commit")
             # Re-check the lease on the monotonic clock: a process that was paused (GC,
             # SIGSTOP, a frozen VM) must not wake up and send on a lease it lost.
@@ -140,6 +147,8 @@ class AttemptSender:
                 secret_headers=self._secret_headers,
             )
             self._observe.attempt_sent(traced, result)
+            if limits is not None:
+                limits.answered(endpoint, result)
             log.info(
                 "attempt_finished",
                 status=result.status_code,
@@ -158,3 +167,6 @@ class AttemptSender:
             # next claim records it as unknown; nothing is lost or resent early.
             log.exception("attempt_crashed", error=type(exc).__name__)
             self._crashed(c.pk)
+        finally:
+            if held:
+                limits.release(endpoint)  # type: ignore[union-attr]

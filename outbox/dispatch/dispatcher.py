@@ -32,6 +32,7 @@ from outbox.dispatch.dbthread import (
     error_detail,
     write_while_leased,
 )
+from outbox.dispatch.limits import Limits
 from outbox.dispatch.outcomes import (
     DispatchSummary,
     Work,
@@ -115,13 +116,16 @@ class Dispatcher:
             now_ms=clock.now_ms, monotonic=clock.monotonic, run_db=self._run_db,
             lease_ms=int(self.lease_seconds * 1000), log=self._log,
         )  # fmt: skip
+        self.limits = Limits(store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
+                             clock=clock, run_db=self._run_db, log=self._log,
+                             lease_seconds=self.lease_seconds)  # fmt: skip
         self._sender = AttemptSender(
             clock=clock, lease_margin_seconds=settings.lease_margin_seconds,
             summary=self.summary, observe=self._observe, log=self._log, client=self._client,
             secret_headers=self._secret_headers, outcomes=self._outcomes,
             # Late-bound: looked up at each attempt (tests/soak/planted.py patches it).
             lease_left=lambda work: self._lease_left(work),  # noqa: PLW0108
-            known_down=self.breaker.known_down, crashed=self._attempt_crashed,
+            known_down=self.breaker.known_down, crashed=self._attempt_crashed, limits=self.limits,
         )  # fmt: skip
         #: time.monotonic() of the last database call that answered (for /readyz).
         self.db_answered_at: float | None = None
@@ -207,7 +211,7 @@ class Dispatcher:
         await self._preflight()
         watchdog = asyncio.create_task(self._db.watch(stop, self.settings.stop_timeout_seconds))
         writer = asyncio.create_task(self._write_outcomes())
-        self._warn_failpoints()
+        failpoints.warn_if_set(self._log)
         self._observe.dispatcher_started(self)
         beats = None if once else asyncio.create_task(heartbeat.beat(self))
         # The writer claims with its outcome writes only while the loop runs on.
@@ -240,15 +244,6 @@ class Dispatcher:
         except BaseException:
             self._db.shutdown()
             raise
-
-    def _warn_failpoints(self) -> None:
-        if failpoints.armed():
-            self._log.warning("failpoints_armed", points=failpoints.armed(),
-                              detail="fault injection is on: this process may kill itself")
-        elif failpoints.ignored_spec():
-            self._log.warning("failpoints_ignored",
-                              detail=f"{failpoints.ENV} is set but {failpoints.ENABLE_ENV} "
-                              "is not; no failpoint is armed")
 
     async def _claim_loop(
         self,
@@ -296,7 +291,8 @@ class Dispatcher:
         await self._maybe_sync_clock()
         await self.breaker.tick(self._claim_probe)
         self.wakeup.before_claim()
-        got, nothing = await self._claim_and_start(min(free, self.settings.batch_size))
+        limit = self.limits.room(min(free, self.settings.batch_size), self.breaker.states)
+        got, nothing = await self._claim_and_start(limit)
         if nothing and not once:
             self.wakeup.next_due(
                 await self._run_db(self.store.next_due_ms, now_ms=self.clock.now_ms())
@@ -338,6 +334,7 @@ class Dispatcher:
         await self._no_claim.wait()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.limits.close()
         await self._outcomes.put(None)
         try:  # a writer that died re-raises here, after the cleanup below
             await writer

@@ -36,6 +36,7 @@ import random
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 POINTS = ("after_claim", "after_attempt_commit", "after_response", "after_outcome")
 ENV = "OUTBOX_FAILPOINTS"
@@ -113,6 +114,16 @@ def reload() -> None:
 def armed() -> dict[str, str]:
     """The armed points and their actions (empty in production)."""
     return {name: point.action for name, point in _ACTIVE.items()}
+
+
+def warn_if_set(log: Any) -> None:
+    """Log (on ``log``, a structlog logger) that failpoints are armed, or set but ignored."""
+    if armed():
+        detail = "fault injection is on: this process may kill itself"
+        log.warning("failpoints_armed", points=armed(), detail=detail)
+    elif ignored_spec():
+        detail = f"{ENV} is set but {ENABLE_ENV} is not; no failpoint is armed"
+        log.warning("failpoints_ignored", detail=detail)
 
 
 def ignored_spec() -> str | None:

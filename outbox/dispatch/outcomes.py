@@ -171,6 +171,19 @@ def not_sent_outcome(
     )
 
 
+def throttles(endpoint: Endpoint, result: AttemptResult) -> bool:
+    """Is this answer a throttling refusal: a status of the endpoint's throttle (429,
+    503), read as a retryable refusal before work?"""
+    throttle = endpoint.throttle
+    cls = result.classification
+    return (
+        throttle is not None
+        and result.status_code in throttle.statuses
+        and cls.verdict is Verdict.RETRY
+        and not cls.maybe_applied
+    )
+
+
 def attempt_outcome(
     work: Work, result: AttemptResult, now_ms: int, *, known_down: bool = False
 ) -> AttemptOutcome:
@@ -178,14 +191,17 @@ def attempt_outcome(
     the operation's next state from the answer and the history on its row. A request
     proven not sent while its endpoint is ``known_down`` (circuit not closed, a probe)
     does not spend ``max_attempts``; an operation never sent is bounded by its business
-    deadline, not by the window."""
+    deadline, not by the window. A throttling refusal (``Endpoint.throttle``: 429, 503)
+    is a refusal before work under the fleet's throttle: like a request not sent, it
+    spends no attempt and leaves the operation bounded by its business deadline."""
     c, endpoint, started = work.claimed, work.endpoint, work.started
     cls = result.classification
     in_progress = cls.verdict is Verdict.IN_PROGRESS
     not_sent = cls.delivery is Delivery.NOT_SENT
-    counted = not in_progress and not (not_sent and known_down)
+    throttled = throttles(endpoint, result)
+    counted = not in_progress and not (not_sent and known_down) and not throttled
     maybe = c.maybe_delivered or cls.maybe_applied or cls.delivery is Delivery.UNKNOWN
-    refused = c.saw_refusal or cls.refused
+    refused = c.saw_refusal or (cls.refused and not throttled)
     now = now_ms
     if not maybe and not refused:
         deadline = business_deadline_ms(c, endpoint, now)

@@ -19,6 +19,7 @@ from sqlalchemy import Connection, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from outbox.store.dispatching import DispatchQueries
+from outbox.store.limits import LimitQueries
 from outbox.store.records import Claimed, ClaimPlan, ClaimResult
 from outbox.store.tables import audit, endpoint_states
 
@@ -51,6 +52,11 @@ class EndpointState:
     next_probe_at: int | None
     probe_owner: str | None
     probe_until: int | None
+    #: The fleet's throttle in requests per second (``outbox.store.limits``); None: none.
+    rate: float | None = None
+    #: Epoch ms of the throttle's last change, and of the last refusal that throttled.
+    rate_changed_at: int | None = None
+    refused_at: int | None = None
 
     @property
     def blocked(self) -> bool:
@@ -61,11 +67,12 @@ def _state(r: Any) -> EndpointState:
     return EndpointState(
         name=r.name, circuit=Circuit(r.circuit), paused=bool(r.paused), reason=r.reason,
         since=r.since, probes=r.probes, failures=r.failures, next_probe_at=r.next_probe_at,
-        probe_owner=r.probe_owner, probe_until=r.probe_until,
+        probe_owner=r.probe_owner, probe_until=r.probe_until, rate=r.rate,
+        rate_changed_at=r.rate_changed_at, refused_at=r.refused_at,
     )  # fmt: skip
 
 
-class EndpointQueries(DispatchQueries):
+class EndpointQueries(LimitQueries, DispatchQueries):
     """The endpoint-state transactions; :class:`~outbox.store.base.Store` mixes them in."""
 
     def read(self) -> AbstractContextManager[Connection]:

@@ -13,6 +13,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -229,6 +230,27 @@ endpoint_states = Table(
     Column("probe_owner", String(255), nullable=True),
     Column("probe_until", BigInteger, nullable=True),
     Column("updated_at", BigInteger, nullable=False),
+    #: The fleet's throttle (``outbox.store.limits``): requests per second while the
+    #: receiver refuses with 429/503; NULL: not throttled.
+    Column("rate", Float, nullable=True),
+    #: Epoch ms of the throttle's last decrease or increase (one change per interval).
+    Column("rate_changed_at", BigInteger, nullable=True),
+    #: Epoch ms of the last refusal that throttled it (lifted after a quiet spell).
+    Column("refused_at", BigInteger, nullable=True),
+    #: Epoch microseconds up to which the rate budget is handed out to dispatchers.
+    Column("rate_cursor_us", BigInteger, nullable=True),
+)
+
+#: The in-flight permits each dispatcher leases of an endpoint's ``max_in_flight``.
+endpoint_slices = Table(
+    "outbox_endpoint_slices",
+    metadata,
+    Column("endpoint", String(64), primary_key=True),
+    Column("owner", String(255), primary_key=True),
+    Column("permits", Integer, nullable=False, server_default="0"),
+    #: How many it would hold: others above their fair share give some back.
+    Column("wanted", Integer, nullable=False, server_default="0"),
+    Column("until", BigInteger, nullable=False),
 )
 
 

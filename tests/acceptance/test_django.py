@@ -99,6 +99,7 @@ def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Sh
         ("outbox", "0003_outbox_wake_mode"),
         ("outbox", "0004_request_forms"),
         ("outbox", "0005_endpoint_state"),
+        ("outbox", "0006_endpoint_limits"),
         ("outbox", "0007_autovacuum"),
     ]
     out = shop.outbox("--db", shop.url, "migrate").stdout
@@ -120,6 +121,7 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
         ("outbox", "0003_outbox_wake_mode"),
         ("outbox", "0004_request_forms"),
         ("outbox", "0005_endpoint_state"),
+        ("outbox", "0006_endpoint_limits"),
         ("outbox", "0007_autovacuum"),
     ]
 

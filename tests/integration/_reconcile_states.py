@@ -86,6 +86,9 @@ def endpoints(receiver_url: str, offline_url: str) -> list[Endpoint]:
             retry=RetryPolicy(max_attempts=max_attempts, window=WINDOW),
             key_retention=RETENTION,
             tenant_header="X-Tenant",
+            # "op-busy" (503 forever) ends retries_exhausted by the policy alone; under
+            # the fleet's throttle it would wait for deliver_within.
+            throttle=None,
         )
 
     return [

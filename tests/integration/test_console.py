@@ -654,6 +654,7 @@ def _lookup_endpoint(url: str) -> Endpoint:
         retry=RetryPolicy(max_attempts=1, window=timedelta(seconds=30)),
         key_retention=timedelta(hours=1),
         status_lookup=StatusLookup(on_unresolved=False),
+        throttle=None,  # a 503 makes "op-refused" unresolved (under the throttle it waits)
     )
 
 

@@ -125,7 +125,9 @@ def test_lost_response_after_commit_is_retried_and_replayed(
 def test_retry_after_is_honoured_then_503_forever_exhausts_retries(
     make_ob: MakeOutbox, receiver: Receiver
 ) -> None:
-    ob = make_ob(max_attempts=3, wait=wait_fixed(0))
+    # The retry policy alone: under the fleet's throttle a 503 spends no attempt
+    # (tests/integration/test_rate_limits.py).
+    ob = make_ob(max_attempts=3, wait=wait_fixed(0), throttle=None)
     receiver.faults.fail_before_work(503, retry_after="2", key="busy")
     _enqueue(ob, "busy")
 
@@ -154,7 +156,7 @@ def test_retry_after_is_honoured_then_503_forever_exhausts_retries(
 def test_retry_after_beyond_the_window_goes_to_reconciliation_now(
     make_ob: MakeOutbox, receiver: Receiver
 ) -> None:
-    ob = make_ob(window=timedelta(seconds=10))
+    ob = make_ob(window=timedelta(seconds=10), throttle=None)  # the window, not deliver_within
     receiver.faults.fail_before_work(503, retry_after="3600", key="later")
     _enqueue(ob, "later")
     ob.dispatch_once()

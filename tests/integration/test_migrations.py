@@ -22,6 +22,7 @@ OUTBOX_TABLES = {
     "outbox_attempts",
     "outbox_audit",
     "outbox_endpoints",
+    "outbox_endpoint_slices",
     "outbox_dispatchers",
 }
 HOST_REVISION = "host_app_rev_42"

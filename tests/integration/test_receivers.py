@@ -214,7 +214,9 @@ def test_a_classifier_sees_the_read_body_and_one_that_raises_does_not_stall(
 def test_the_last_attempt_starts_before_the_deadline(db_url: str, rx: Receiver) -> None:
     rx.faults.fail_before_work(503, retry_after=None)
     policy = RetryPolicy(window=timedelta(seconds=3), wait=wait_fixed(10))
-    with Outbox(db_url, endpoints=[endpoint(rx.url, retry=policy)], clock=FakeClock()) as ob:
+    # The window bounds refusals outside the fleet's throttle (under it: deliver_within).
+    rx_endpoint = endpoint(rx.url, retry=policy, throttle=None)
+    with Outbox(db_url, endpoints=[rx_endpoint], clock=FakeClock()) as ob:
         reserve(ob)
         op = drive(ob)
     assert (op.state, op.reason) == (State.UNRESOLVED, Reason.RETRIES_EXHAUSTED)

@@ -59,6 +59,9 @@ def _endpoint(url: str, **overrides: Any) -> Endpoint:
         "key_retention": RETENTION,
         # These tests drive the explicit probe; the dispatcher's own lookup is tested below.
         "status_lookup": StatusLookup(on_unresolved=False),
+        # A 503 must make an operation unresolved here: outside the fleet's throttle
+        # (under it a 503 is bounded by deliver_within, not by max_attempts).
+        "throttle": None,
     }
     options.update(overrides)
     return Endpoint(**options)
@@ -368,7 +371,7 @@ def _app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db_url: str, url: str)
         f"    endpoint = Endpoint(name='rx', base_url={url!r}, timeout=2.0,\n"
         "        retry=RetryPolicy(max_attempts=2, window=timedelta(seconds=5)),\n"
         f"        key_retention=timedelta(seconds={RETENTION.total_seconds()}),\n"
-        "        status_lookup=StatusLookup())\n"
+        "        status_lookup=StatusLookup(), throttle=None)\n"
         f"    return Outbox({db_url!r}, endpoints=[endpoint], clock=FakeClock())\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -116,7 +116,9 @@ def test_sql_shaped_values_that_are_allowed_are_stored_and_sent_verbatim(
 def test_sql_shaped_operator_notes_and_names_are_stored_verbatim(
     ob: Outbox, receiver: Receiver
 ) -> None:
-    receiver.faults.fail_before_work(503, retry_after=None, key="to-resolve")
+    # A 500 (maybe applied): unresolved at once. A 503 would now wait under the
+    # fleet's throttle for deliver_within.
+    receiver.faults.fail_before_work(500, retry_after=None, key="to-resolve")
     ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="to-resolve")
     ob.dispatch_once()
     assert ob.get("to-resolve").state is State.UNRESOLVED

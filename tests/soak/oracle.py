@@ -179,6 +179,16 @@ def _log_lines(files: Iterable[Path]) -> tuple[Counter[str], int]:
     return events, bad
 
 
+#: Answers that throttle (``outbox.config.Throttle``): no attempt spent, no window begun.
+THROTTLE_STATUSES = (429, 503)
+
+
+def _may_start_window(attempt: Any) -> bool:
+    if attempt.delivery == "not_sent":
+        return False
+    return not (attempt.delivery == "sent" and attempt.status_code in THROTTLE_STATUSES)
+
+
 def check(engine: Engine, receiver_db: Path, ev: Evidence) -> Verdict:
     checks = dict.fromkeys(CHECKS, 0)
     examples: dict[str, list[Any]] = defaultdict(list)
@@ -272,14 +282,17 @@ def check(engine: Engine, receiver_db: Path, ev: Evidence) -> Verdict:
         op = by_pk[att.operation_pk]
         if q["idempotency_key"] != op.operation_id or q["tenant"] != op.tenant:
             bad("O9_key_not_operation_id", (op.operation_id, q["idempotency_key"]))
-        first = min(x.started_at for x in attempts_of[op.id])
-        late = q["arrived_at_ms"] - deadline(op, first)
+        # The window starts at the first attempt that may have reached the receiver:
+        # not one proven not sent, nor one refused before work under the fleet's
+        # throttle (429/503). Nothing of those was applied; each restarts the window.
+        starts = [x.started_at for x in attempts_of[op.id] if _may_start_window(x)]
+        late = q["arrived_at_ms"] - deadline(op, min(starts)) if starts else 0
         if late > ev.epsilon_ms:
             bad("O11_sent_after_window", (op.operation_id, late))
         after_lease = q["arrived_at_ms"] - att.lease_until
         if after_lease > ev.epsilon_ms:
             bad("O12_sent_after_lease", (op.operation_id, rid, after_lease))
-        if q["status"] != 409:
+        if q["status"] not in (409, *THROTTLE_STATUSES):  # refusals under throttle: free
             sent_counted[op.id] += 1
     for e in effects:
         if (

@@ -26,8 +26,10 @@ def build() -> Outbox:
     ob = Outbox(
         os.environ["OUTBOX_TEST_DB"],
         endpoints=[
+            # throttle=None: "busy" (503 forever) ends retries_exhausted, as the policy
+            # alone decides; under the fleet's throttle it would wait for deliver_within.
             Endpoint(name="rx", base_url=receiver, timeout=2.0, retry=quick,
-                     key_retention=timedelta(hours=1)),
+                     key_retention=timedelta(hours=1), throttle=None),
             Endpoint(name="offline", base_url=offline, timeout=2.0, retry=quick,
                      key_retention=timedelta(hours=1)),
             Endpoint(name="slow", base_url=receiver, timeout=2.0,

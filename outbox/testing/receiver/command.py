@@ -11,6 +11,7 @@ from types import FrameType
 from outbox.testing.receiver.dialects import DIALECTS
 from outbox.testing.receiver.faults import RandomFaults
 from outbox.testing.receiver.inprocess import SYNC_LEVELS, Receiver
+from outbox.testing.receiver.ratelimit import HEADER_STYLES, RateLimitSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,7 +39,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument(f"--p-{flag}", type=float, default=0.0, metavar="P")
     parser.add_argument("--delay-seconds", type=float, default=2.0)
     parser.add_argument("--retry-after", default="1", help="Retry-After of random 503s")
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        default=None,
+        metavar="R",
+        help="admit R requests/s in all, answer the rest 429",
+    )
+    parser.add_argument(
+        "--rate-limit-burst",
+        type=float,
+        default=None,
+        metavar="B",
+        help="tokens banked at most (default: one second's worth)",
+    )
+    parser.add_argument(
+        "--rate-limit-headers",
+        default="none",
+        choices=HEADER_STYLES,
+        help="rate-limit fields a 429 carries besides Retry-After",
+    )
+    parser.add_argument(
+        "--rate-limit-retry-after", default="1", help="Retry-After of a 429 ('' sends none)"
+    )
     args = parser.parse_args(argv)
+    limit = None
+    if args.rate_limit is not None:
+        try:
+            limit = RateLimitSpec(
+                args.rate_limit,
+                args.rate_limit_burst,
+                args.rate_limit_retry_after or None,
+                args.rate_limit_headers,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
 
     random_faults = RandomFaults(
         seed=args.seed,
@@ -68,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         random_faults=random_faults,
         dialect=args.dialect,
     ) as rx:
+        if limit is not None:
+            rx.faults.rate_limit(limit.rate, burst=limit.burst, retry_after=limit.retry_after,
+                                 headers=limit.headers)  # fmt: skip
         print(f"listening {rx.url}", flush=True)
         while not stop.wait(0.2):
             pass

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from outbox.testing.receiver.ratelimit import RateLimitSpec, TokenBucket
+
 
 @dataclass(frozen=True, kw_only=True)
 class RandomFaults:
@@ -215,8 +217,25 @@ class Faults:
         """
         self._submit({"kind": "stuck_in_progress", "key": key, "tenant": tenant})
 
+    def rate_limit(
+        self,
+        rate: float,
+        *,
+        burst: float | None = None,
+        retry_after: str | None = "1",
+        headers: str = "none",
+    ) -> None:
+        """Admit ``rate`` requests per second, whatever their key (a token bucket of
+        ``burst`` tokens, one second's worth by default); answer the others 429 with
+        ``Retry-After`` before any work. ``headers``: ``"none"``, ``"ietf"``
+        (``RateLimit``/``RateLimit-Policy``) or ``"x-ratelimit"`` (``X-RateLimit-*``).
+        Replaces an earlier rate limit; :meth:`clear` removes it."""
+        spec = RateLimitSpec(rate, burst, retry_after, headers)
+        self._submit(spec.to_spec())
+
     def clear(self) -> None:
-        """Remove every fault: rules, random start-up faults, and stuck receipts."""
+        """Remove every fault: rules, random start-up faults, the rate limit, and
+        stuck receipts."""
         self._clear()
 
 
@@ -320,6 +339,8 @@ class FaultPlan:
         self._rules: list[Rule] = []
         self._random = random_faults
         self._rng = random.Random(random_faults.seed if random_faults else 0)
+        #: The receiver's rate limit (``Faults.rate_limit``); None: unlimited.
+        self.bucket: TokenBucket | None = None
 
     def add(self, rule: Rule) -> None:
         with self._lock:
@@ -329,10 +350,19 @@ class FaultPlan:
         with self._lock:
             self._rules.clear()
             self._random = None
+            self.bucket = None
 
     def describe(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [rule.describe() for rule in self._rules]
+            rules = [rule.describe() for rule in self._rules]
+            if self.bucket is not None:
+                rules.append(self.bucket.spec.to_spec())
+            return rules
+
+    def admit(self) -> tuple[tuple[str, str], ...] | None:
+        """None if the rate limit (if any) admits a request now; else its 429 headers."""
+        bucket = self.bucket
+        return None if bucket is None else bucket.admit()
 
     def take(
         self, kinds: frozenset[str], path: str, key: str | None, *, replay: bool = False
@@ -400,5 +430,8 @@ def apply_fault_spec(
         if not isinstance(key, str) or not key or not isinstance(tenant, str):
             raise ValueError("stuck_in_progress needs a key (and an optional tenant)")
         mark_stuck(tenant, key)
+        return
+    if spec.get("kind") == "rate_limit":
+        plan.bucket = TokenBucket(RateLimitSpec.from_spec(spec))
         return
     plan.add(_parse_rule(spec))

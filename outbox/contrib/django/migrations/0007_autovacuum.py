@@ -18,5 +18,5 @@ def apply(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     atomic = False  # apply() opens its own atomic(), as the first migration does
-    dependencies: ClassVar[list[tuple[str, str]]] = [("outbox", "0005_endpoint_state")]
+    dependencies: ClassVar[list[tuple[str, str]]] = [("outbox", "0006_endpoint_limits")]
     operations: ClassVar[list[Any]] = [migrations.RunPython(apply)]
