@@ -23,16 +23,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
+from benchmarks.common import database
 from outbox import Endpoint, Intent, Outbox, RetryPolicy
 from outbox.config import CircuitBreaker
-from outbox.store.migrate import upgrade
 from outbox.store.tables import attempts
 from outbox.testing.receiver import Receiver
 
@@ -61,43 +60,18 @@ def _endpoint(url: str, window: float) -> Endpoint:
     )
 
 
-def _pg_url(schema: str) -> str:
-    base = os.environ.get(
-        "OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-    )
-    return f"{base}?options=-csearch_path%3D{schema}"
-
-
-def _database(db: str, work: Path) -> tuple[str, str | None]:
-    if db == "sqlite":
-        return f"sqlite:///{work / 'outbox.sqlite3'}", None
-    schema = f"bench_outage_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(_pg_url("public"))
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    admin.dispose()
-    engine = sa.create_engine(_pg_url(schema))
-    upgrade(engine)
-    engine.dispose()
-    return _pg_url(schema), schema
-
-
-def _drop(schema: str | None) -> None:
-    if schema is not None:
-        admin = sa.create_engine(_pg_url("public"))
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
 def _attempt_rows(ob: Outbox) -> int:
     with ob.engine.connect() as conn:
         return int(conn.execute(sa.select(sa.func.count()).select_from(attempts)).scalar_one())
 
 
 def one_run(db: str, n: int, processes: int, window: float, max_seconds: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, Receiver(Path(tmp) / "rx.sqlite3") as receiver:
-        url, schema = _database(db, Path(tmp))
+    kind = "sqlite" if db == "sqlite" else "postgres"
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Receiver(Path(tmp) / "rx.sqlite3") as receiver,
+        database(kind, Path(tmp), "outage") as url,
+    ):
         receiver.stop()  # down: its port is closed
         ob = Outbox(url, endpoints=[_endpoint(receiver.url, window)])
         env = dict(
@@ -154,7 +128,6 @@ def one_run(db: str, n: int, processes: int, window: float, max_seconds: float) 
             for p in procs:
                 p.wait(timeout=60)
             ob.close()
-            _drop(schema)
     return {
         "db": db,
         "n": n,
