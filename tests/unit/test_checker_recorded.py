@@ -2,8 +2,9 @@
 
 The bytes below are what the checker's probes got from django-idempotency-key 1.3.0 (a
 Django app, ``tests/middlewares``) and fastapi-idempotency-key 0.1.1 (Starlette, its
-in-memory and its Redis backend on redis-server 7), served by uvicorn over 127.0.0.1.
-None of them echoes ``X-Request-ID``; the verdicts below read statuses and bodies
+in-memory and its Redis backend on redis-server 7), served by uvicorn over 127.0.0.1,
+and from aws-lambda-powertools 3.37.0 idempotency on redis-server 7 (``POWERTOOLS``
+below). None of them echoes ``X-Request-ID``; the verdicts below read statuses and bodies
 only, which are recorded byte for byte, so the recorded answers pin them without the
 servers.
 """
@@ -111,6 +112,45 @@ FASTAPI_MEMORY: dict[str, object] = {
 }
 
 
+def _powertools(effect_id: int) -> bytes:
+    # The handler's body: json.dumps with its default separators.
+    return b'{"effect_id": %d, "received": {"quantity": 2, "sku": "TEST-BOLT"}}' % effect_id
+
+
+POWERTOOLS_MISMATCH = b'{"message": "Idempotency key was used with a different payload"}'
+POWERTOOLS_IN_PROGRESS = (
+    b'{"message": "A request with this idempotency key is already in progress"}'
+)
+#: aws-lambda-powertools 3.37.0, ``@idempotent`` with ``RedisCachePersistenceLayer``
+#: (redis 8.1.0 client), ``event_key_jmespath='headers."idempotency-key"'``,
+#: ``payload_validation_jmespath="powertools_json(body)"``, expires_after_seconds=60 and
+#: the checker's default 2 s retention delay, behind http.server building an API Gateway
+#: proxy event. Its handler answers 201. The HTTP mapping of its exceptions is ours
+#: (Powertools has none; unhandled, the invocation fails and API Gateway answers 502):
+#: IdempotencyValidationError -> 422 POWERTOOLS_MISMATCH,
+#: IdempotencyAlreadyInProgressError -> 409 POWERTOOLS_IN_PROGRESS. Its Redis layer
+#: rewrites the record on completion without the payload validation hash
+#: (``_update_record``), so every repeat of a completed key, same payload or not, fails
+#: validation: 422. The burst's seven others found the first in progress: 409 (the
+#: order within the burst is not recorded; the verdicts count, they do not read order).
+POWERTOOLS: dict[str, object] = {
+    "retained_first": (201, _powertools(1)),
+    "first": (201, _powertools(2)),
+    "again": (422, POWERTOOLS_MISMATCH),
+    "changed": (422, POWERTOOLS_MISMATCH),
+    "other_key": (201, _powertools(3)),
+    "burst": [(201, _powertools(4))] + [(409, POWERTOOLS_IN_PROGRESS)] * 7,
+    "burst_after": (422, POWERTOOLS_MISMATCH),
+    "retained_again": (422, POWERTOOLS_MISMATCH),
+}
+#: The same with expires_after_seconds=1 and a 2.5 s retention delay: the key expired,
+#: and the repeat after the delay was applied anew (effect 5).
+POWERTOOLS_EXPIRED: dict[str, object] = {
+    **POWERTOOLS,
+    "retained_again": (201, _powertools(5)),
+}
+
+
 def test_django_a_replay_without_a_fresh_request_id_fails() -> None:
     o = _observed(DJANGO, replay_status=409)  # declared, as django-idempotency-key needs
     verdict = replay_fresh_request_id(o, same_key_same_result(o))
@@ -179,3 +219,35 @@ def test_a_recorded_run_reports_what_it_could_not_observe() -> None:
     assert "rests on: first request: request same-request-1 got 201" in text
     assert "rests on: status lookup: none configured, so effects were not counted" in text
     assert "1 passed, 0 failed, 0 could not tell, 2 not observed (N/O)" in text
+
+
+def test_powertools_on_redis_the_same_refusal_after_the_delay_retains_the_key() -> None:
+    """Powertools on Redis, its exceptions mapped the way a Powertools-based API commonly
+    answers (our choice, the only part not Powertools'): IdempotencyValidationError ->
+    422 {"message": "Idempotency key was used with a different payload"},
+    IdempotencyAlreadyInProgressError -> 409 {"message": "A request with this idempotency
+    key is already in progress"}; a completed key otherwise replays the stored 201."""
+    o = _observed(POWERTOOLS)
+    verdict = key_retained(o, EP)
+    assert verdict.passed is True, verdict.summary
+    assert "the same refusal (422) as an immediate repeat" in verdict.summary
+    assert verdict.evidence["immediate_repeat"]["status"] == 422
+    # Its 422 for the unchanged repeat (the lost validation hash) is a FAIL of "same key,
+    # same result"; with no replay there is no request ID to inspect.
+    same_key = same_key_same_result(o)
+    assert same_key.passed is False and "got 422 instead of the stored result" in same_key.summary
+    assert replay_fresh_request_id(o, same_key).passed is None
+    # Every repeat is 422, so the changed payload is refused too: a key conflict.
+    assert changed_payload_refused(o).passed is True
+    # One result and seven 409s "in progress" look right, but no answer counts effects.
+    burst = concurrent_duplicates(o)
+    assert burst.outcome == "not_observed", burst.summary
+    assert "(1x 201, 7x 409)" in burst.summary
+
+
+def test_powertools_on_redis_a_key_expired_before_the_delay_is_forgotten() -> None:
+    """The same server and mapping with expires_after_seconds=1: a new result after the
+    delay is a new effect, a FAIL the answers alone decide."""
+    verdict = key_retained(_observed(POWERTOOLS_EXPIRED), EP)
+    assert verdict.passed is False, verdict.summary
+    assert "forgot the key and applied it again" in verdict.summary
