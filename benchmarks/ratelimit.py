@@ -31,16 +31,13 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-
+from benchmarks.common import database
 from outbox import DispatcherSettings, Endpoint, Intent, Outbox, RetryPolicy
-from outbox.store.migrate import upgrade
 from outbox.testing.receiver import RemoteReceiver
 
 CASES = {
@@ -50,13 +47,6 @@ CASES = {
     "postgresql-3-none": ("postgresql", 3, False),
     "postgresql-3-declared": ("postgresql", 3, True),
 }
-
-
-def _pg_url(schema: str) -> str:
-    base = os.environ.get(
-        "OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-    )
-    return f"{base}?options=-csearch_path%3D{schema}"
 
 
 def build() -> Outbox:
@@ -85,30 +75,6 @@ def _outbox(url: str, rx_url: str, rate_limit: float | None, concurrency: int) -
         endpoints=[endpoint],
         dispatcher=DispatcherSettings(concurrency=concurrency, idle_poll_seconds=0.05),
     )
-
-
-def _database(db: str, work: Path) -> tuple[str, str | None]:
-    if db == "sqlite":
-        return f"sqlite:///{work / 'outbox.sqlite3'}", None
-    schema = f"bench_rl_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(_pg_url("public"))
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    admin.dispose()
-    url = _pg_url(schema)
-    engine = sa.create_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    return url, schema
-
-
-def _drop(schema: str | None) -> None:
-    if schema is None:
-        return
-    admin = sa.create_engine(_pg_url("public"))
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
 
 
 def _enqueue(ob: Outbox, ops: int) -> None:
@@ -165,8 +131,7 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
         work = Path(tmp)
         with RemoteReceiver.spawn(work / "rx.sqlite3", synchronous="OFF") as rx:
             rx.faults.rate_limit(rate, retry_after="1")
-            url, schema = _database(db, work)
-            try:
+            with database("sqlite" if db == "sqlite" else "postgres", work, "rl") as url:
                 ob = _outbox(url, rx.url, rate_limit, concurrency)
                 try:
                     _enqueue(ob, ops)
@@ -193,8 +158,6 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
                     unresolved = len(ob.reconcile.unresolved(limit=ops))
                 finally:
                     ob.close()
-            finally:
-                _drop(schema)
             requests = rx.requests()
     arrivals = [r.arrived_at_ms for r in requests]
     applied = [r.arrived_at_ms for r in requests if r.outcome == "applied"]
@@ -225,8 +188,10 @@ def throughput(ops: int, concurrency: int, runs: int) -> dict[str, Any]:
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 work = Path(tmp)
-                with RemoteReceiver.spawn(work / "rx.sqlite3", synchronous="OFF") as rx:
-                    url, _ = _database("sqlite", work)
+                with (
+                    RemoteReceiver.spawn(work / "rx.sqlite3", synchronous="OFF") as rx,
+                    database("sqlite", work, "rl") as url,
+                ):
                     ob = _outbox(url, rx.url, None, concurrency)
                     try:
                         _enqueue(ob, ops)
