@@ -1,23 +1,8 @@
 """The outbox schema to revision 0003 (priority, not_before and the fair claim's
 indexes), through the outbox's own Alembic migrations, on Django's connection."""
 
-from __future__ import annotations
-
-from typing import Any, ClassVar
-
-from django.db import migrations
+from outbox.contrib.django.migrations._revision import outbox_revision
 
 #: The outbox schema revision this Django migration brings the database to.
 OUTBOX_REVISION = "0003"
-
-
-def apply(apps: Any, schema_editor: Any) -> None:
-    from outbox.contrib.django.connection import migrate_schema
-
-    migrate_schema(schema_editor.connection.alias, OUTBOX_REVISION)
-
-
-class Migration(migrations.Migration):
-    atomic = False  # apply() opens its own atomic(), as 0001's does
-    dependencies: ClassVar[list[tuple[str, str]]] = [("outbox", "0001_outbox_schema")]
-    operations: ClassVar[list[Any]] = [migrations.RunPython(apply)]
+Migration = outbox_revision(OUTBOX_REVISION, after="0001_outbox_schema")

@@ -1,22 +1,7 @@
 """Outbox schema revision 0005: the bytes of form and raw request bodies."""
 
-from __future__ import annotations
-
-from typing import Any, ClassVar
-
-from django.db import migrations
+from outbox.contrib.django.migrations._revision import outbox_revision
 
 #: The outbox schema revision this Django migration brings the database to.
 OUTBOX_REVISION = "0005"
-
-
-def apply(apps: Any, schema_editor: Any) -> None:
-    from outbox.contrib.django.connection import migrate_schema
-
-    migrate_schema(schema_editor.connection.alias, OUTBOX_REVISION)
-
-
-class Migration(migrations.Migration):
-    atomic = False  # apply() opens its own atomic(), as the first migration does
-    dependencies: ClassVar[list[tuple[str, str]]] = [("outbox", "0003_outbox_wake_mode")]
-    operations: ClassVar[list[Any]] = [migrations.RunPython(apply)]
+Migration = outbox_revision(OUTBOX_REVISION, after="0003_outbox_wake_mode")
