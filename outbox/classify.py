@@ -240,13 +240,8 @@ def _strings(value: Any) -> Iterator[str]:
                 yield nested
     elif isinstance(value, list):
         for item in value[:16]:
-            if isinstance(item, str):
-                yield item
-            elif isinstance(item, dict):
-                for name in _NESTED:
-                    nested = item.get(name)
-                    if isinstance(nested, str):
-                        yield nested
+            if isinstance(item, str | dict):
+                yield from _strings(item)  # one level: a dict's fields do not nest further
 
 
 def body_words(body: bytes) -> str:

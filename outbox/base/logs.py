@@ -32,9 +32,10 @@ ROOT = "outbox"
 logging.getLogger(ROOT).addHandler(logging.NullHandler())
 
 _PLAIN = re.compile(r"^[^\s\"=\\\x00-\x1f\x7f-\x9f\u2028\u2029]+$")
-# Frames between the caller and logging.Logger._log: OutboxLogger.<level>, then
-# BoundLoggerBase._proxy_to_logger. The record names the caller's file and line.
-_STACKLEVEL = 3
+# Frames between the caller and logging.Logger._log: OutboxLogger.<level>,
+# OutboxLogger._emit, then BoundLoggerBase._proxy_to_logger. The record names the
+# caller's file and line.
+_STACKLEVEL = 4
 
 
 def _value(v: Any) -> str:
@@ -69,26 +70,25 @@ class OutboxLogger(structlog.BoundLoggerBase):
     _logger: logging.Logger
 
     def debug(self, event: str, **kw: Any) -> None:
-        if self._logger.isEnabledFor(logging.DEBUG):
-            self._proxy_to_logger("debug", event, **kw)
+        self._emit(logging.DEBUG, "debug", event, kw)
 
     def info(self, event: str, **kw: Any) -> None:
-        if self._logger.isEnabledFor(logging.INFO):
-            self._proxy_to_logger("info", event, **kw)
+        self._emit(logging.INFO, "info", event, kw)
 
     def warning(self, event: str, **kw: Any) -> None:
-        if self._logger.isEnabledFor(logging.WARNING):
-            self._proxy_to_logger("warning", event, **kw)
+        self._emit(logging.WARNING, "warning", event, kw)
 
     def error(self, event: str, **kw: Any) -> None:
-        if self._logger.isEnabledFor(logging.ERROR):
-            self._proxy_to_logger("error", event, **kw)
+        self._emit(logging.ERROR, "error", event, kw)
 
     def exception(self, event: str, **kw: Any) -> None:
         """An error with the exception being handled (its traceback goes to the record)."""
-        if self._logger.isEnabledFor(logging.ERROR):
-            kw.setdefault("exc_info", True)
-            self._proxy_to_logger("error", event, **kw)
+        kw.setdefault("exc_info", True)
+        self._emit(logging.ERROR, "error", event, kw)
+
+    def _emit(self, level: int, method: str, event: str, kw: dict[str, Any]) -> None:
+        if self._logger.isEnabledFor(level):
+            self._proxy_to_logger(method, event, **kw)
 
     def is_enabled_for(self, level: int) -> bool:
         return self._logger.isEnabledFor(level)

@@ -6,7 +6,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -77,23 +77,17 @@ class Probe:
         }
 
 
+@dataclass(eq=False, slots=True)
 class Prober:
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        endpoint: Endpoint,
-        *,
-        method: str,
-        path: str,
-        tenant: str,
-        content_type: str = "application/json",
-    ) -> None:
-        self.content_type = content_type
-        self.client = client
-        self.endpoint = endpoint
-        self.method = method
-        self.path = path
-        self.tenant = tenant
+    """Sends probes to one endpoint as one tenant, the way the dispatcher sends."""
+
+    client: httpx.AsyncClient
+    endpoint: Endpoint
+    _: KW_ONLY
+    method: str
+    path: str
+    tenant: str
+    content_type: str = "application/json"
 
     async def send(self, key: str, body: bytes) -> Probe:
         request_id = str(uuid.uuid4())

@@ -17,8 +17,10 @@ is claimed: no attempt rows, no backoff spent. A dispatcher:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -56,41 +58,31 @@ def is_failure(out: AttemptOutcome) -> bool | None:
     return out.status_code >= 500
 
 
+@dataclass(kw_only=True, eq=False, slots=True)
 class Breaker:
     """One dispatcher's part in the fleet's circuit breakers."""
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        endpoints: Mapping[str, Endpoint],
-        owner: str,
-        now_ms: Callable[[], int],
-        monotonic: Callable[[], float],
-        run_db: RunDb,
-        lease_ms: int,
-        log: Any,
-        rng: random.Random | None = None,
-    ) -> None:
-        self._store = store
-        self._endpoints = endpoints
-        self._owner = owner
-        self._now_ms = now_ms
-        self._monotonic = monotonic
-        self._run_db = run_db
-        self._lease_ms = lease_ms
-        self._log = log
-        self._rng = rng or random.Random()
-        self.states: dict[str, EndpointState] = {}
-        self._refreshed = -float("inf")
-        self._failures: dict[str, int] = {}
-        #: Operations this dispatcher sends as half-open probes: pk -> endpoint.
-        self.probes: dict[int, str] = {}
+    store: Store
+    endpoints: Mapping[str, Endpoint]
+    owner: str
+    now_ms: Callable[[], int]
+    monotonic: Callable[[], float]
+    run_db: RunDb
+    lease_ms: int
+    log: Any
+    rng: random.Random = field(default_factory=random.Random)
+    states: dict[str, EndpointState] = field(init=False, default_factory=dict)
+    #: Operations this dispatcher sends as half-open probes: pk -> endpoint.
+    probes: dict[int, str] = field(init=False, default_factory=dict)
+    _refreshed: float = field(init=False, default=-math.inf)
+    _failures: dict[str, int] = field(init=False, default_factory=dict)
+    _refresh_seconds: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        breakers = [e.circuit_breaker for e in self.endpoints.values()]
         self._refresh_seconds = min(
-            (e.circuit_breaker.refresh_seconds for e in endpoints.values()
-             if e.circuit_breaker is not None),
-            default=1.0,
-        )  # fmt: skip
+            (b.refresh_seconds for b in breakers if b is not None), default=1.0
+        )
 
     def known_down(self, name: str, pk: int) -> bool:
         """The endpoint is known down: its circuit is not closed, or this is a probe."""
@@ -102,50 +94,68 @@ class Breaker:
         times = [
             max(s.next_probe_at or 0, s.probe_until or 0)
             for s in self.states.values()
-            if s.circuit is not Circuit.CLOSED and not s.paused and s.name in self._endpoints
+            if s.circuit is not Circuit.CLOSED and not s.paused and s.name in self.endpoints
         ]
         return min(times, default=None)
 
     async def _db(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         try:
-            return await self._run_db(fn, **kwargs)
+            return await self.run_db(fn, **kwargs)
         except (StoreError, DBAPIError) as exc:
-            self._log.warning("endpoint_state_unavailable", error=type(exc).__name__,
-                              detail=str(exc)[:300])  # fmt: skip
+            self.log.warning(
+                "endpoint_state_unavailable", error=type(exc).__name__, detail=str(exc)[:300]
+            )
             return None
 
     async def tick(self, probe: ProbeClaim) -> int:
         """Re-read the states when due; take and start the probes due. Operations started."""
-        if self._monotonic() - self._refreshed < self._refresh_seconds:
+        if self.monotonic() - self._refreshed < self._refresh_seconds:
             return 0
-        self._refreshed = self._monotonic()
-        states = await self._db(self._store.endpoint_states)
+        self._refreshed = self.monotonic()
+        states = await self._db(self.store.endpoint_states)
         if states is None:
             return 0
         self.states = {s.name: s for s in states}
         started = 0
-        now = self._now_ms()
+        now = self.now_ms()
         for s in states:
-            endpoint = self._endpoints.get(s.name)
-            if (endpoint is None or endpoint.circuit_breaker is None or s.paused
-                    or s.circuit is Circuit.CLOSED or (s.next_probe_at or 0) > now
-                    or (s.probe_until is not None and s.probe_until >= now)):  # fmt: skip
+            endpoint = self.endpoints.get(s.name)
+            if (
+                endpoint is None
+                or endpoint.circuit_breaker is None
+                or s.paused
+                or s.circuit is Circuit.CLOSED
+                or (s.next_probe_at or 0) > now
+                or (s.probe_until is not None and s.probe_until >= now)
+            ):
                 continue
-            won = await self._db(self._store.take_probe, name=s.name, owner=self._owner,
-                                 now_ms=now, lease_ms=self._lease_ms)  # fmt: skip
+            won = await self._db(
+                self.store.take_probe,
+                name=s.name,
+                owner=self.owner,
+                now_ms=now,
+                lease_ms=self.lease_ms,
+            )
             if not won:
                 continue
             taken_over = s.circuit is Circuit.HALF_OPEN
-            self._log.info("circuit_half_open", endpoint=s.name, probes=s.probes,
-                           taken_over_from=s.probe_owner if taken_over else None)  # fmt: skip
+            self.log.info(
+                "circuit_half_open",
+                endpoint=s.name,
+                probes=s.probes,
+                taken_over_from=s.probe_owner if taken_over else None,
+            )
             n = await probe(s.name)
             started += n
             if n == 0:  # nothing due to probe with: stay open, look again soon
                 await self._db(
-                    self._store.probe_failed, name=s.name, owner=self._owner, now_ms=now,
-                    next_probe_at=now + probe_wait_ms(endpoint.circuit_breaker, 0, self._rng),
+                    self.store.probe_failed,
+                    name=s.name,
+                    owner=self.owner,
+                    now_ms=now,
+                    next_probe_at=now + probe_wait_ms(endpoint.circuit_breaker, 0, self.rng),
                     reason=s.reason or "open",
-                )  # fmt: skip
+                )
         return started
 
     async def observe(self, outcomes: list[tuple[AttemptOutcome, str | None]]) -> None:
@@ -155,7 +165,7 @@ class Breaker:
         failed_now: dict[str, tuple[int, str]] = {}
         answered: set[str] = set()
         for out, name in outcomes:
-            endpoint = self._endpoints.get(name or "")
+            endpoint = self.endpoints.get(name or "")
             probe_of = self.probes.pop(out.pk, None)
             if endpoint is None or endpoint.circuit_breaker is None:
                 continue
@@ -172,46 +182,60 @@ class Breaker:
             elif failed is False:
                 failed_now.pop(endpoint.name, None)
                 answered.add(endpoint.name)
-        now = self._now_ms()
+        now = self.now_ms()
         for name in answered:
             state = self.states.get(name)
             if self._failures.pop(name, 0) or (state is not None and state.failures):
-                await self._db(self._store.reset_failures, name=name, now_ms=now)
+                await self._db(self.store.reset_failures, name=name, now_ms=now)
             if state is not None and state.circuit is not Circuit.CLOSED:
-                await self._close(self._endpoints[name], None)
+                await self._close(self.endpoints[name], None)
         for name, (count, why) in failed_now.items():
-            policy = self._endpoints[name].circuit_breaker
+            policy = self.endpoints[name].circuit_breaker
             assert policy is not None
             self._failures[name] = self._failures.get(name, 0) + count
             state = self.states.get(name)
             if state is not None and state.circuit is not Circuit.CLOSED:
                 continue  # already open: attempts in flight when it opened
             opened = await self._db(
-                self._store.count_failures, name=name, failures=count,
-                threshold=policy.failure_threshold, reason=f"consecutive failures, the last: {why}",
-                now_ms=now, next_probe_at=now + probe_wait_ms(policy, 0, self._rng),
-            )  # fmt: skip
+                self.store.count_failures,
+                name=name,
+                failures=count,
+                threshold=policy.failure_threshold,
+                reason=f"consecutive failures, the last: {why}",
+                now_ms=now,
+                next_probe_at=now + probe_wait_ms(policy, 0, self.rng),
+            )
             if opened:
-                self._log.warning("circuit_opened", endpoint=name, reason=why)
+                self.log.warning("circuit_opened", endpoint=name, reason=why)
                 self._refreshed = -float("inf")  # see it at the next tick
 
     async def _reopen(self, endpoint: Endpoint, policy: CircuitBreaker, reason: str) -> None:
-        now = self._now_ms()
+        now = self.now_ms()
         state = self.states.get(endpoint.name)
         probes = (state.probes if state is not None else 0) + 1
-        wait = probe_wait_ms(policy, probes, self._rng)
-        if await self._db(self._store.probe_failed, name=endpoint.name, owner=self._owner,
-                          now_ms=now, next_probe_at=now + wait,
-                          reason=f"probe failed: {reason}"):  # fmt: skip
-            self._log.warning("circuit_reopened", endpoint=endpoint.name, reason=reason,
-                              probes=probes, next_probe_in_ms=wait)  # fmt: skip
+        wait = probe_wait_ms(policy, probes, self.rng)
+        if await self._db(
+            self.store.probe_failed,
+            name=endpoint.name,
+            owner=self.owner,
+            now_ms=now,
+            next_probe_at=now + wait,
+            reason=f"probe failed: {reason}",
+        ):
+            self.log.warning(
+                "circuit_reopened",
+                endpoint=endpoint.name,
+                reason=reason,
+                probes=probes,
+                next_probe_in_ms=wait,
+            )
         self._refreshed = -float("inf")
 
     async def _close(self, endpoint: Endpoint, out: AttemptOutcome | None) -> None:
-        now = self._now_ms()
+        now = self.now_ms()
         reason = "the receiver answered" + (f" {out.status_code}" if out is not None else "")
-        if await self._db(self._store.close_circuit, name=endpoint.name, now_ms=now, reason=reason):
-            self._log.info("circuit_closed", endpoint=endpoint.name, reason=reason)
+        if await self._db(self.store.close_circuit, name=endpoint.name, now_ms=now, reason=reason):
+            self.log.info("circuit_closed", endpoint=endpoint.name, reason=reason)
         self._refreshed = -float("inf")
 
 

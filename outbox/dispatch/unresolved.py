@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -34,34 +35,26 @@ OnUnresolved = Callable[..., "ProbeOutcome | None"]
 RunDb = Callable[..., Awaitable[Any]]
 
 
+@dataclass(eq=False, slots=True)
 class UnresolvedLookups:
     """The lookups one dispatcher has started; :meth:`drain` waits for them at stop."""
 
-    def __init__(
-        self,
-        on_unresolved: OnUnresolved | None,
-        *,
-        client: Callable[[Endpoint], httpx.AsyncClient],
-        run_db: RunDb,
-        log: OutboxLogger,
-        observe: Instrumentation,
-        summary: DispatchSummary,
-    ) -> None:
-        # What the owning dispatcher lends: its HTTP client per endpoint, its database
-        # thread, its log, its instrumentation and the summary a settled lookup counts in.
-        self._on_unresolved = on_unresolved
-        self._client = client
-        self._run_db = run_db
-        self._log = log
-        self._observe = observe
-        self._summary = summary
-        self._tasks: set[asyncio.Task[None]] = set()
+    on_unresolved: OnUnresolved | None
+    _: KW_ONLY
+    # What the owning dispatcher lends: its HTTP client per endpoint, its database
+    # thread, its log, its instrumentation and the summary a settled lookup counts in.
+    client: Callable[[Endpoint], httpx.AsyncClient]
+    run_db: RunDb
+    log: OutboxLogger
+    observe: Instrumentation
+    summary: DispatchSummary
+    _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def maybe(self, out: AttemptOutcome, endpoint: Endpoint | None, names: dict[str, Any]) -> None:
         """Ask the receiver about an operation that just became unresolved, if it can be
         asked."""
         if (
-            self._on_unresolved is None
+            self.on_unresolved is None
             or endpoint is None
             or endpoint.status_lookup is None
             or not endpoint.status_lookup.on_unresolved
@@ -69,7 +62,7 @@ class UnresolvedLookups:
         ):
             return
         task = asyncio.create_task(
-            self._look_up(self._on_unresolved, endpoint, names["operation_id"], names["tenant"])
+            self._look_up(self.on_unresolved, endpoint, names["operation_id"], names["tenant"])
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -81,17 +74,20 @@ class UnresolvedLookups:
     async def _look_up(
         self, settle: OnUnresolved, endpoint: Endpoint, operation_id: str, tenant: str
     ) -> None:
-        log = self._log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
+        log = self.log.bind(operation_id=operation_id, tenant=tenant, endpoint=endpoint.name)
         try:
-            result = await lookup_status(self._client(endpoint), endpoint, operation_id, tenant)
-            outcome = await self._run_db(
+            result = await lookup_status(self.client(endpoint), endpoint, operation_id, tenant)
+            outcome = await self.run_db(
                 settle, operation_id=operation_id, tenant=tenant, result=result
             )
         except Exception:
             log.exception("status_lookup_failed")
             return
-        self._observe.status_lookup(endpoint.name, result.status.value)
-        log.info("status_lookup", answer=result.status.value,
-                 action=outcome.action.value if outcome else "none")  # fmt: skip
+        self.observe.status_lookup(endpoint.name, result.status.value)
+        log.info(
+            "status_lookup",
+            answer=result.status.value,
+            action=outcome.action.value if outcome else "none",
+        )
         if outcome is not None and outcome.state is State.SUCCEEDED:
-            self._summary.succeeded += 1
+            self.summary.succeeded += 1

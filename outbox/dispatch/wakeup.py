@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from outbox.base.logs import get_logger
 from outbox.clock import Clock
@@ -65,30 +65,25 @@ class WakeStats:
             self.extra[event] = self.extra.get(event, 0) + 1
 
 
+@dataclass(eq=False, slots=True)
 class Wakeup:
     """One dispatcher's idle waiting. Start it on the dispatcher's loop; close it after."""
 
-    def __init__(
-        self,
-        source: ChangeSource | None,
-        *,
-        clock: Clock,
-        poll_seconds: float,
-    ) -> None:
-        self.source = source
-        self.clock = clock
-        self.poll_seconds = poll_seconds
-        self.stats = WakeStats()
-        #: Called with each event's name: a :class:`WakeStats` field ("notified",
-        #: "listening", "listener_lost", "due", "polled", "claims", ...).
-        self.hooks: list[Hook] = []
-        self._signal: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._due_ms: int | None = None
-        # Due times this dispatcher learned since the last claim began; the store's
-        # answer after that claim may predate them.
-        self._due_since_claim: int | None = None
-        self._rescheduled: asyncio.Event | None = None
+    source: ChangeSource | None
+    _: KW_ONLY
+    clock: Clock
+    poll_seconds: float
+    stats: WakeStats = field(init=False, default_factory=WakeStats)
+    #: Called with each event's name: a :class:`WakeStats` field ("notified",
+    #: "listening", "listener_lost", "due", "polled", "claims", ...).
+    hooks: list[Hook] = field(init=False, default_factory=list)
+    _signal: asyncio.Event | None = field(init=False, default=None)
+    _task: asyncio.Task[None] | None = field(init=False, default=None)
+    _due_ms: int | None = field(init=False, default=None)
+    # Due times this dispatcher learned since the last claim began; the store's
+    # answer after that claim may predate them.
+    _due_since_claim: int | None = field(init=False, default=None)
+    _rescheduled: asyncio.Event | None = field(init=False, default=None)
 
     @property
     def active(self) -> bool:

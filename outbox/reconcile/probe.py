@@ -141,11 +141,11 @@ async def _lookup_all(outbox: OutboxParts, pending: Sequence[_Pending]) -> None:
 def _outcome(
     op: Operation,
     action: ProbeAction,
-    *,
     state: State,
     detail: str,
     lookup: LookupResult | None = None,
 ) -> ProbeOutcome:
+    """What a probe did with ``op``: the action, the state after it, why, the answer read."""
     return ProbeOutcome(
         tenant=op.tenant,
         operation_id=op.operation_id,
@@ -182,9 +182,8 @@ def _settle(
     op, result = item.op, item.result
     if item.skip is not None or result is None:
         detail = item.skip or "not looked up"
-        return _outcome(op, ProbeAction.SKIPPED, state=op.state, detail=detail)
+        return _outcome(op, ProbeAction.SKIPPED, op.state, detail)
     rec = OperatorActions(outbox)
-    evidence = result.as_dict()
     if result.status is LookupStatus.APPLIED:
         done = rec.resolve(
             op.operation_id,
@@ -193,15 +192,9 @@ def _settle(
             note=f"status lookup: {result.describe()}; resolved as succeeded with the "
             "receiver's result",
             operator=ACTOR,
-            details={"status_lookup": evidence, "receiver_result": result.result},
+            details={"status_lookup": result.as_dict(), "receiver_result": result.result},
         )
-        return _outcome(
-            op,
-            ProbeAction.RESOLVED,
-            state=done.state,
-            detail=result.detail,
-            lookup=result,
-        )
+        return _outcome(op, ProbeAction.RESOLVED, done.state, result.detail, result)
     if result.status is LookupStatus.NOT_APPLIED:
         endpoint = item.endpoint
         assert endpoint is not None
@@ -211,20 +204,13 @@ def _settle(
         first = op.first_attempt_at_ms
         usable_until = None if first is None else policy.key_usable_until_ms(first)
         if not requeue_not_applied:
-            _record_evidence(
-                outbox,
-                op,
+            note = (
                 f"status lookup as it became unresolved: {result.describe()}; the receiver "
                 "reports it never applied. Left for an operator: `outbox reconcile probe` "
-                "sends it again under the same operation ID while the key is retained.",
-                evidence,
+                "sends it again under the same operation ID while the key is retained."
             )
-            return _outcome(
-                op,
-                ProbeAction.EVIDENCE_RECORDED,
-                state=op.state,
-                detail="never applied; left for an operator",
-                lookup=result,
+            return _left_with_evidence(
+                outbox, op, result, note, "never applied; left for an operator"
             )
         if usable_until is None or outbox.clock.now_ms() < usable_until:
             when = ms_to_iso(usable_until, timespec="seconds")
@@ -236,13 +222,7 @@ def _settle(
                 f"{until}, so it is sent again under the same operation ID",
                 operator=ACTOR,
             )
-            return _outcome(
-                op,
-                ProbeAction.REQUEUED,
-                state=done.state,
-                detail=result.detail,
-                lookup=result,
-            )
+            return _outcome(op, ProbeAction.REQUEUED, done.state, result.detail, result)
         expires = policy.key_expires_at_ms(first or 0)
         expires_at = ms_to_iso(expires, timespec="seconds") or "?"
         note = (
@@ -252,32 +232,22 @@ def _settle(
             "operation. Left unresolved: requeue explicitly (--accept-duplicate-risk) once "
             "you have checked."
         )
-        _record_evidence(outbox, op, note, evidence)
-        return _outcome(
-            op,
-            ProbeAction.EVIDENCE_RECORDED,
-            state=op.state,
-            detail="never applied; requeue explicitly (the key retention is over)",
-            lookup=result,
-        )
-    return _outcome(
-        op,
-        ProbeAction.LEFT_FOR_OPERATOR,
-        state=op.state,
-        detail=result.detail,
-        lookup=result,
-    )
+        detail = "never applied; requeue explicitly (the key retention is over)"
+        return _left_with_evidence(outbox, op, result, note, detail)
+    return _outcome(op, ProbeAction.LEFT_FOR_OPERATOR, op.state, result.detail, result)
 
 
-def _record_evidence(
-    outbox: OutboxParts, op: Operation, note: str, details: dict[str, Any]
-) -> None:
-    """An audit row that changes no state; not repeated when the last one says the same."""
+def _left_with_evidence(
+    outbox: OutboxParts, op: Operation, result: LookupResult, note: str, detail: str
+) -> ProbeOutcome:
+    """Leave ``op`` as it is with the answer recorded as evidence: an audit row that
+    changes no state, not repeated when the last one says the same."""
+    outcome = _outcome(op, ProbeAction.EVIDENCE_RECORDED, op.state, detail, result)
     trail = outbox.store.audit_trail(op.tenant, op.operation_id)
     if trail:
         last = trail[-1]
         if last.actor == ACTOR and last.action == EVIDENCE_ACTION and last.note == note[:2000]:
-            return
+            return outcome
     outbox.store.record_audit(
         {
             "tenant": op.tenant,
@@ -287,10 +257,11 @@ def _record_evidence(
             "from_state": op.state.value,
             "to_state": op.state.value,
             "note": note[:2000],
-            "details": json.dumps({"status_lookup": details}, sort_keys=True, default=str),
+            "details": json.dumps({"status_lookup": result.as_dict()}, sort_keys=True, default=str),
             "at": outbox.clock.now_ms(),
         }
     )
+    return outcome
 
 
 def probe(outbox: OutboxParts, operation_id: str, *, tenant: str = "") -> ProbeOutcome:
