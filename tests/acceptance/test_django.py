@@ -101,6 +101,7 @@ def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Sh
         ("outbox", "0005_endpoint_state"),
         ("outbox", "0006_endpoint_limits"),
         ("outbox", "0007_autovacuum"),
+        ("outbox", "0008_deliver_within"),
     ]
     out = shop.outbox("--db", shop.url, "migrate").stdout
     assert f"(was {HEAD})" in out
@@ -123,6 +124,7 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
         ("outbox", "0005_endpoint_state"),
         ("outbox", "0006_endpoint_limits"),
         ("outbox", "0007_autovacuum"),
+        ("outbox", "0008_deliver_within"),
     ]
 
 
