@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Required, TypedDict
 from urllib.parse import parse_qsl, unquote
 
@@ -70,6 +70,9 @@ class CanonicalArgs:
     priority: int = 0
     #: A scheduled send (epoch ms), or None: scheduling, not in the fingerprint.
     not_before_ms: int | None = None
+    #: This operation's business deadline after enqueue (ms), or None for the endpoint
+    #: policy's ``deliver_within``: scheduling, not in the fingerprint.
+    deliver_within_ms: int | None = None
     #: The exact bytes of a form (``data=``) or raw (``content=``) body, whose content
     #: type is then the stored ``content-type`` header; None for JSON or no body.
     body_raw: bytes | None = None
@@ -95,6 +98,7 @@ class Intent:
     params: Any = None
     form_style: str = "flat"
     files: Any = None
+    deliver_within: timedelta | None = None
 
     def body(self) -> Body:
         return Body(
@@ -124,6 +128,7 @@ class EnqueueArgs(TypedDict, total=False):
     params: Any
     form_style: str
     files: Any
+    deliver_within: timedelta | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,13 +185,31 @@ def check_not_before(not_before: object) -> int | None:
     return int(not_before.timestamp() * 1000)
 
 
+def check_deliver_within(deliver_within: object) -> int | None:
+    """A per-operation business deadline as milliseconds after enqueue; None keeps the
+    endpoint policy's ``deliver_within``."""
+    if deliver_within is None:
+        return None
+    if not isinstance(deliver_within, timedelta) or deliver_within <= timedelta(0):
+        raise ValidationError(
+            f"deliver_within must be a positive timedelta (or None for the endpoint "
+            f"policy's), got {deliver_within!r}"
+        )
+    # Rounded up: a positive deadline never becomes "due at enqueue".
+    return -(-deliver_within // timedelta(milliseconds=1))
+
+
 def scheduled(args: CanonicalArgs, intent: Intent) -> CanonicalArgs:
-    """``args`` with the intent's validated priority and scheduled time."""
+    """``args`` with the intent's validated priority, scheduled time and business
+    deadline."""
     priority = check_priority(intent.priority)
     not_before_ms = check_not_before(intent.not_before)
-    if priority == 0 and not_before_ms is None:
+    deliver_within_ms = check_deliver_within(intent.deliver_within)
+    if priority == 0 and not_before_ms is None and deliver_within_ms is None:
         return args
-    return replace(args, priority=priority, not_before_ms=not_before_ms)
+    return replace(
+        args, priority=priority, not_before_ms=not_before_ms, deliver_within_ms=deliver_within_ms
+    )
 
 
 def check_operation_id(operation_id: object) -> str:

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -177,10 +177,13 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         params: Any = None,
         form_style: str = "flat",
         files: Any = None,
+        deliver_within: timedelta | None = None,
     ) -> Operation:
         """Record the intent to call ``endpoint``; it is sent later by a dispatcher.
-        ``priority`` (higher first, within the tenant) and ``not_before`` (an aware
-        datetime: a scheduled send) are scheduling, not compared arguments.
+        ``priority`` (higher first, within the tenant), ``not_before`` (an aware
+        datetime: a scheduled send) and ``deliver_within`` (a positive timedelta: this
+        operation's business deadline, in place of the endpoint policy's
+        ``RetryPolicy.deliver_within``) are scheduling, not compared arguments.
 
         The body is one of ``json=``, ``data=`` (form fields, see :mod:`outbox.forms`
         and ``form_style``) or ``content=`` bytes with ``content_type=``; ``params=`` is
@@ -205,6 +208,7 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         intent = Intent(
             endpoint, method, path, json, headers, operation_id, tenant, ordering_key,
             priority, not_before, data, content, content_type, params, form_style, files,
+            deliver_within,
         )  # fmt: skip
         if connection is not None:
             return self._enqueue_on(connection_of(connection), intent)
@@ -364,6 +368,7 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
             policy=self._endpoints[args.endpoint].policy_snapshot(),
             priority=args.priority,
             not_before_ms=args.not_before_ms,
+            deliver_within_ms=args.deliver_within_ms,
         )
 
     def _row(self, checked: Checked, *, now: int, traceparent: str | None) -> dict[str, Any]:

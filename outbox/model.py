@@ -280,6 +280,9 @@ class Operation:
     priority: int = 0
     #: The scheduled send (epoch ms) it was enqueued with, or None.
     not_before_ms: int | None = None
+    #: Its own business deadline after enqueue (``enqueue(deliver_within=...)``, ms),
+    #: or None: the endpoint policy's ``deliver_within``.
+    deliver_within_ms: int | None = None
     #: The exact bytes of a form or raw body (its content type is the stored
     #: ``content-type`` header); None for a JSON body (``body``) or none.
     body_raw: bytes | None = None

@@ -130,9 +130,12 @@ def never_sent(c: Claimed) -> bool:
 
 
 def business_deadline_ms(c: Claimed, endpoint: Endpoint, now_ms: int) -> int:
-    """The last moment a never-sent operation may still be tried: its enqueue plus the
-    policy's ``deliver_within``."""
-    return (c.created_at if c.created_at is not None else now_ms) + endpoint.retry.deliver_within_ms
+    """The last moment a never-sent operation may still be tried: its enqueue plus its
+    own ``enqueue(deliver_within=...)``, or else the endpoint policy's ``deliver_within``."""
+    within = c.deliver_within_ms
+    if within is None:
+        within = endpoint.retry.deliver_within_ms
+    return (c.created_at if c.created_at is not None else now_ms) + within
 
 
 def send_deadline_ms(c: Claimed, endpoint: Endpoint, started: StartedAttempt, now_ms: int) -> int:

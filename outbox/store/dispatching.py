@@ -53,15 +53,16 @@ def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     return Claimed(
         r[0], r[1], r[2], r[3], r[4], r[5], headers, body, r[8], r[9], bool(r[10]),
         bool(r[11]), r[12], r[13], r[14], r[15], r[16], r[17], r[18], problem or corrupt, raw,
+        r[20],
     )  # fmt: skip
 
 
 #: ``steady_ms`` of a caller whose clock is not watched for steps: any expired lease.
 _ANY_LEASE = 2**62
 
-#: The length of a claimed row that carries its round and rotation place before "was"
-#: (PostgreSQL's claim): the 19 ``_CLAIMED_COLUMNS``, then rn, pos, was.
-_PLACED = 22
+#: How many columns a claimed row that carries its round and rotation place before
+#: "was" (PostgreSQL's claim) has past the ``_CLAIMED_COLUMNS``: rn, pos, was.
+_PLACED_EXTRA = 3
 
 
 class DispatchQueries:
@@ -133,7 +134,10 @@ class DispatchQueries:
         operations.c.attempts_in_progress,
         operations.c.policy_window_ms,
         operations.c.body_raw,
+        operations.c.deliver_within_ms,
     )
+    #: The length of a claimed row that carries its round and rotation place.
+    _placed = len(_CLAIMED_COLUMNS) + _PLACED_EXTRA
 
     def claim(
         self, *, owner: str, token: str, now_ms: int, lease_ms: int, limit: int,
@@ -267,7 +271,7 @@ class DispatchQueries:
         claimed = [claimed_from_row(r, self.sealer) for r in rows]
         if statement is None:
             # Where the rows carry their round and rotation place (PostgreSQL), by them.
-            places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= _PLACED else None
+            places = [(r[-3], r[-2]) for r in rows] if len(rows[0]) >= self._placed else None
             self.tenant_cursor = next_cursor([c.tenant for c in claimed], places, cursor)
         # Only a row taken over from an expired lease can have an open attempt. A
         # dialect whose claim cannot say what the row was (no "was" column) checks all.

@@ -41,6 +41,8 @@ class Claimed:
     problem: str | None = None
     #: The exact bytes of a form or raw body (``body`` is then None).
     body_raw: bytes | None = None
+    #: Its own business deadline after enqueue (ms), or None: the endpoint policy's.
+    deliver_within_ms: int | None = None
 
     def body_bytes(self) -> bytes | None:
         """What the dispatcher sends as the body."""

@@ -9,7 +9,7 @@ from outbox.errors import SchemaError
 
 VERSION_TABLE = "outbox_alembic_version"
 #: The newest revision this code expects.
-HEAD = "0008"
+HEAD = "0009"
 
 
 def migrations_dir() -> Path:

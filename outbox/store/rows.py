@@ -106,6 +106,7 @@ def operation_row(
         "next_attempt_at": max(now_ms, args.not_before_ms or now_ms),
         "priority": args.priority,
         "not_before": args.not_before_ms,
+        "deliver_within_ms": args.deliver_within_ms,
         "version": 0,
         "created_at": now_ms,
         "updated_at": now_ms,
@@ -209,6 +210,7 @@ def operation_from_row(
         policy=policy_from_row(r),
         priority=r.priority,
         not_before_ms=r.not_before,
+        deliver_within_ms=r.deliver_within_ms,
         body_raw=raw,
     )
 

@@ -104,6 +104,9 @@ operations = Table(
     # The exact bytes of a form or raw body (content type: the stored content-type
     # header); NULL for a JSON body (``body``) or none. Migration 0005.
     Column("body_raw", LargeBinary, nullable=True),
+    # Its own business deadline after enqueue (ms; ``enqueue(deliver_within=...)``);
+    # NULL: the endpoint policy's ``deliver_within``. Migration 0009.
+    Column("deliver_within_ms", BigInteger, nullable=True),
     UniqueConstraint("tenant", "operation_id"),
 )
 

@@ -101,6 +101,7 @@ def test_manage_py_migrate_creates_the_schema_and_outbox_migrate_agrees(shop: Sh
         ("outbox", "0005_endpoint_state"),
         ("outbox", "0006_endpoint_limits"),
         ("outbox", "0007_autovacuum"),
+        ("outbox", "0008_deliver_within"),
     ]
     out = shop.outbox("--db", shop.url, "migrate").stdout
     assert f"(was {HEAD})" in out
@@ -123,6 +124,7 @@ def test_outbox_migrate_first_then_manage_py_migrate_finds_nothing_to_do(shop: S
         ("outbox", "0005_endpoint_state"),
         ("outbox", "0006_endpoint_limits"),
         ("outbox", "0007_autovacuum"),
+        ("outbox", "0008_deliver_within"),
     ]
 
 
@@ -181,15 +183,19 @@ def test_enqueue_outside_atomic_commits_at_once_like_save(shop: Shop) -> None:
     assert shop.operations() == [("order-20-reserve", "pending")]
 
 
-def test_priority_and_not_before_on_djangos_connection(shop: Shop) -> None:
+def test_priority_not_before_and_deliver_within_on_djangos_connection(shop: Shop) -> None:
     shop.manage("migrate", "-v0")
     out = shop.manage("shop_scenario", "scheduled").stdout
-    assert "naive refused" in out and "scheduled done" in out
+    assert "naive refused" in out and "no deadline refused" in out and "scheduled done" in out
     assert shop.orders() == [(40, "new")]
-    assert shop.operations() == [("order-40-reserve", "pending")]
-    row = shop.query("SELECT priority, not_before, next_attempt_at FROM outbox_operations")
+    assert shop.operations() == [("order-40-reserve", "pending"), ("order-42-reserve", "pending")]
+    row = shop.query(
+        "SELECT priority, not_before, next_attempt_at FROM outbox_operations ORDER BY id"
+    )
     at = 1925089445000  # 2031-01-02T03:04:05Z
-    assert [tuple(int(v) for v in r) for r in row] == [(5, at, at)]
+    assert [tuple(int(v) for v in r) for r in row[:1]] == [(5, at, at)]
+    within = shop.query("SELECT deliver_within_ms FROM outbox_operations ORDER BY id")
+    assert [r[0] for r in within] == [None, 2 * 3600 * 1000]
 
 
 def test_a_conflict_inside_atomic_leaves_djangos_transaction_usable(shop: Shop) -> None:

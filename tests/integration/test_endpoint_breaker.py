@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import func, select
 from tenacity import wait_fixed
 
-from outbox import Delivery, Endpoint, FakeClock, Outbox, RetryPolicy, State
+from outbox import Delivery, Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State
 from outbox.config import CircuitBreaker
 from outbox.store.endpoints import Circuit
 from outbox.store.tables import attempts
@@ -104,6 +104,54 @@ def test_outage_of_twice_the_window_ends_without_an_operator(
     assert all(receiver.effect_count(key=i) == 1 for i in ids)
     sent = [a for i in ids for a in ob.get(i).attempts if a.delivery is not Delivery.NOT_SENT]
     assert len(sent) == 20  # one request per operation once the receiver was back
+    ob.close()
+
+
+def test_a_per_enqueue_deliver_within_ends_its_operation_while_the_others_wait(
+    db_url: str, receiver: Receiver
+) -> None:
+    # The endpoint's policy gives never-sent operations 10 minutes; one operation is
+    # given 2 seconds of its own at enqueue (its business deadline).
+    clock = FakeClock()
+    ob = _outbox(db_url, receiver, clock)
+    receiver.stop()  # down: its port is closed, every connection refused
+    ids = ["patient-0", "urgent", "patient-1", "patient-2"]
+    for op_id in ids:
+        own = timedelta(seconds=2) if op_id == "urgent" else None
+        ob.enqueue(
+            endpoint="rx",
+            method="POST",
+            path="/orders",
+            json={},
+            operation_id=op_id,
+            deliver_within=own,
+        )
+    urgent = ob.get("urgent")
+    assert urgent.deliver_within_ms == 2000
+    ob.dispatch_once()  # all refused: the circuit opens
+    assert _circuit(ob) is Circuit.OPEN
+    assert ob.get("urgent").state is State.PENDING  # before its deadline
+    for _ in range(40):  # 20 s down: ten times the urgent one's deadline
+        ob.dispatch_once()
+        clock.advance(0.5)
+    ended = ob.get("urgent")
+    assert (ended.state, ended.reason) == (State.UNRESOLVED, Reason.NEVER_DELIVERED)
+    assert ended.updated_at_ms - ended.created_at_ms >= 2000 - 1000  # not before its last try
+    assert {a.delivery for a in ended.attempts} == {Delivery.NOT_SENT}
+    for op_id in ids:
+        if op_id != "urgent":
+            op = ob.get(op_id)
+            assert op.state is State.PENDING  # the policy's 10 minutes still run
+            assert op.deliver_within_ms is None
+    receiver.start()  # back: the others are sent, the urgent one is not
+    for _ in range(40):
+        ob.dispatch_once()
+        if all(ob.get(i).state is State.SUCCEEDED for i in ids if i != "urgent"):
+            break
+        clock.advance(0.5)
+    states = {i: ob.get(i).state for i in ids}
+    assert states == {i: State.SUCCEEDED for i in ids} | {"urgent": State.UNRESOLVED}
+    assert receiver.effect_count(key="urgent") == 0
     ob.close()
 
 

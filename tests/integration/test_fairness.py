@@ -231,6 +231,10 @@ BAD = [
     ({"priority": 2**31}, "priority must be an int"),
     ({"not_before": datetime(2030, 1, 1)}, "must be timezone-aware"),  # noqa: DTZ001
     ({"not_before": "2030-01-01T00:00:00Z"}, "timezone-aware datetime"),
+    ({"deliver_within": timedelta(0)}, "deliver_within must be a positive timedelta"),
+    ({"deliver_within": timedelta(seconds=-5)}, "deliver_within must be a positive timedelta"),
+    ({"deliver_within": 3600}, "deliver_within must be a positive timedelta"),
+    ({"deliver_within": "2h"}, "deliver_within must be a positive timedelta"),
 ]
 
 
@@ -263,12 +267,16 @@ async def _async_transaction(ob: Outbox, args: dict[str, Any], message: str) -> 
         await engine.dispose()
 
 
-def test_every_enqueue_variant_stores_priority_and_not_before(make_ob: MakeOutbox) -> None:
+def test_every_enqueue_variant_stores_priority_not_before_and_deliver_within(
+    make_ob: MakeOutbox,
+) -> None:
     ob = make_ob()
     at = datetime.fromtimestamp(ob.clock.now_ms() / 1000, UTC) + timedelta(hours=1)
     kw: dict[str, Any] = {"endpoint": "rx", "method": "POST", "path": "/o", "json": {},
                           "priority": 3, "not_before": at}  # fmt: skip
+    kw["deliver_within"] = timedelta(hours=2)
     ob.enqueue(operation_id="sync", **kw)
+    ob.enqueue_many([Intent(operation_id="many", **kw)])
     asyncio.run(ob.enqueue_async(operation_id="async", **kw))
     with ob.transaction(ob.engine) as tx:
         tx.enqueue(operation_id="tx", **kw)
@@ -282,10 +290,28 @@ def test_every_enqueue_variant_stores_priority_and_not_before(make_ob: MakeOutbo
             await engine.dispose()
 
     asyncio.run(in_async_transaction())
-    for op_id in ("sync", "async", "tx", "atx"):
+    for op_id in ("sync", "many", "async", "tx", "atx"):
         op = ob.get(op_id)
         assert (op.priority, op.not_before_ms) == (3, int(at.timestamp() * 1000))
         assert op.next_attempt_at_ms == op.not_before_ms
+        assert op.deliver_within_ms == 2 * 3600 * 1000
+    plain = ob.enqueue(operation_id="plain", **(kw | {"deliver_within": None}))
+    assert plain.deliver_within_ms is None
+    assert ob.get("plain").deliver_within_ms is None  # the endpoint policy's
+
+
+def test_scheduling_is_not_part_of_the_fingerprint(make_ob: MakeOutbox) -> None:
+    # An enqueue again of the same intent (a retried request handler, say) with other
+    # scheduling returns the stored operation as it is: the first enqueue's scheduling.
+    ob = make_ob()
+    kw: dict[str, Any] = {"endpoint": "rx", "method": "POST", "path": "/o", "json": {"a": 1}}
+    kw["operation_id"] = "same"
+    first = ob.enqueue(**kw, deliver_within=timedelta(seconds=30))
+    again = ob.enqueue(**kw, deliver_within=timedelta(days=3), priority=5)
+    assert again.pk == first.pk
+    assert (again.deliver_within_ms, again.priority) == (30_000, 0)
+    assert ob.enqueue(**kw).deliver_within_ms == 30_000
+    assert _rows(ob) == 1
 
 
 # -- per-tenant in-flight limit --------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -12,10 +13,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 import outbox.store.engine
-from outbox import Endpoint, Outbox, SchemaError
+from outbox import Endpoint, Outbox, SchemaError, State
+from outbox.canonical import canonicalize
 from outbox.store.engine import create_engine
 from outbox.store.migrate import HEAD, VERSION_TABLE, current_revision, downgrade, upgrade
-from outbox.store.tables import metadata
+from outbox.store.rows import operation_row
+from outbox.store.tables import metadata, operations
 
 OUTBOX_TABLES = {
     "outbox_operations",
@@ -143,6 +146,46 @@ def test_upgrade_downgrade_upgrade(engine: sa.Engine) -> None:
     with Outbox(engine, endpoints=[Endpoint(name="e", base_url="https://e.example")]) as ob:
         op = ob.enqueue(endpoint="e", method="POST", path="/x", json={"a": 1}, operation_id="o1")
         assert ob.get("o1").pk == op.pk
+
+
+def test_0009_applies_to_a_database_holding_rows_and_back(engine: sa.Engine) -> None:
+    upgrade(engine, "0008")
+    args = canonicalize(
+        endpoint="e",
+        method="POST",
+        path="/x",
+        json_body={"a": 1},
+        headers=None,
+        max_body_bytes=1024,
+    )
+    row = operation_row(tenant="", operation_id="old", args=args, ordering_key=None, now_ms=1)
+    del row["deliver_within_ms"]  # the column 0009 adds
+    with engine.begin() as conn:
+        conn.execute(operations.insert(), [row])
+    upgrade(engine)
+    assert current_revision(engine) == HEAD
+    assert schema_diff(engine) == []
+    with Outbox(engine, endpoints=[Endpoint(name="e", base_url="https://e.example")]) as ob:
+        old = ob.get("old")
+        assert (old.state, old.deliver_within_ms) == (State.PENDING, None)  # the policy's
+        new = ob.enqueue(
+            endpoint="e",
+            method="POST",
+            path="/x",
+            json={},
+            operation_id="new",
+            deliver_within=timedelta(minutes=5),
+        )
+        assert ob.get("new").deliver_within_ms == new.deliver_within_ms == 300_000
+    downgrade(engine, "0008")  # the rows stay; only their own deadlines go
+    with engine.connect() as conn:
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("outbox_operations")}
+        ids = conn.execute(sa.text("SELECT operation_id FROM outbox_operations ORDER BY id"))
+        assert [r[0] for r in ids] == ["old", "new"]
+    assert "deliver_within_ms" not in columns and "not_before" in columns
+    upgrade(engine)
+    with Outbox(engine, endpoints=[Endpoint(name="e", base_url="https://e.example")]) as ob:
+        assert ob.get("new").deliver_within_ms is None
 
 
 def test_schema_diff_sees_a_difference(engine: sa.Engine) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -13,8 +16,11 @@ from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
     CanonicalArgs,
+    EnqueueArgs,
+    Intent,
     canonical_json,
     canonicalize,
+    check_deliver_within,
     check_operation_id,
     check_ordering_key,
     check_tenant,
@@ -276,3 +282,31 @@ def test_very_deep_nesting_is_refused_without_recursion_error() -> None:
 def test_stored_body_round_trips() -> None:
     body = {"sku": "TEST-BOLT", "tags": ["a", "b"], "price": 1.5, "ok": True, "none": None}
     assert json.loads(canon(json_body=body).body_json or "") == body
+
+
+def test_every_enqueue_surface_takes_the_same_arguments() -> None:
+    # Outbox.enqueue builds its Intent by position; the other surfaces take EnqueueArgs.
+    # An argument added to one of them and not the others would be silently dropped.
+    from outbox import Outbox
+
+    enqueue = [p for p in inspect.signature(Outbox.enqueue).parameters if p != "self"]
+    enqueue.remove("connection")
+    assert [f.name for f in dataclasses.fields(Intent)] == enqueue
+    assert EnqueueArgs.__required_keys__ | EnqueueArgs.__optional_keys__ == set(enqueue)
+
+
+@pytest.mark.parametrize(
+    ("given", "ms"),
+    [(None, None), (timedelta(seconds=2), 2000), (timedelta(microseconds=1), 1)],
+    ids=["none", "seconds", "rounded-up"],
+)
+def test_deliver_within_is_milliseconds_after_enqueue(
+    given: timedelta | None, ms: int | None
+) -> None:
+    assert check_deliver_within(given) == ms
+
+
+@pytest.mark.parametrize("bad", [timedelta(0), timedelta(seconds=-1), 60, 1.5, "PT1H", True])
+def test_deliver_within_must_be_a_positive_timedelta(bad: object) -> None:
+    with pytest.raises(ValidationError, match="deliver_within must be a positive timedelta"):
+        check_deliver_within(bad)

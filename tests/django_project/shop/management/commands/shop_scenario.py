@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -50,8 +50,9 @@ class Command(BaseCommand):
         self.stdout.write("conflict done")
 
     def _scheduled(self, ob: Any) -> None:
-        # priority and not_before on Django's connection, inside atomic(); a naive
-        # datetime is refused before anything is written.
+        # priority, not_before and deliver_within on Django's connection, inside
+        # atomic(); a naive datetime or a deadline that is not positive is refused
+        # before anything is written.
         with transaction.atomic():
             Order.objects.create(id=40, sku="TEST-BOLT", quantity=1)
             at = datetime(2031, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -62,4 +63,19 @@ class Command(BaseCommand):
                            not_before=datetime(2031, 1, 2))  # noqa: DTZ001  # fmt: skip
             except ValidationError:
                 self.stdout.write("naive refused")
+            ob.enqueue(
+                **RESERVE,
+                json={"order_id": 42},
+                operation_id="order-42-reserve",
+                deliver_within=timedelta(hours=2),
+            )
+            try:
+                ob.enqueue(
+                    **RESERVE,
+                    json={"order_id": 43},
+                    operation_id="order-43-reserve",
+                    deliver_within=timedelta(0),
+                )
+            except ValidationError:
+                self.stdout.write("no deadline refused")
         self.stdout.write("scheduled done")
