@@ -129,6 +129,9 @@ class OperatorActions:
 
     def operation_filter(self, state: State, **filters: Unpack[FilterArgs]) -> OperatorSelection:
         """The store's filter for operations in ``state`` (ages measured from now)."""
+        unknown = filters.keys() - FilterArgs.__optional_keys__
+        if unknown:  # a misspelt filter must not widen a read to everything
+            raise TypeError(f"unexpected filter keyword(s) {sorted(unknown)}")
         reason = filters.get("reason")
         return OperatorSelection(
             states=[state],
