@@ -13,10 +13,12 @@ Four orders each reserve stock at an inventory service through the outbox:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -42,21 +44,29 @@ ORDERS = {
 }
 
 
-def run_demo(directory: str | None, out: Console, *, deadline_seconds: float = 30.0) -> None:
-    """Run the demo; keep its files in ``directory`` if given, else in a removed temp dir."""
+@contextlib.contextmanager
+def demo_files(directory: str | None, out: Console) -> Iterator[Path]:
+    """A demo's working directory: ``directory`` if given (kept, and its place printed
+    at the end), else a temporary one removed afterwards. Quiets the library's logs."""
     logs.configure("error")
     keep = directory is not None
     workdir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="outbox-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    db_url = f"sqlite:///{workdir / 'outbox.sqlite3'}"
     try:
-        with Receiver(workdir / "receiver.sqlite3") as receiver:
-            _story(receiver, db_url, out, deadline_seconds, keep=keep)
+        yield workdir
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
     if keep:
         out.print(f"\nfiles kept in {workdir}")
+
+
+def run_demo(directory: str | None, out: Console, *, deadline_seconds: float = 30.0) -> None:
+    """Run the demo; keep its files in ``directory`` if given, else in a removed temp dir."""
+    with demo_files(directory, out) as workdir:
+        db_url = f"sqlite:///{workdir / 'outbox.sqlite3'}"
+        with Receiver(workdir / "receiver.sqlite3") as receiver:
+            _story(receiver, db_url, out, deadline_seconds, keep=directory is not None)
 
 
 def _story(

@@ -11,18 +11,15 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 from tenacity import wait_random_exponential
 
-from outbox.base import logs
+from outbox.cli.demo import demo_files
 from outbox.client import Outbox
 from outbox.config import Endpoint, RetryPolicy, StatusLookup
 from outbox.receiver.demo import KitService
@@ -36,19 +33,10 @@ ORDERS = {
 
 
 def run_kit_demo(directory: str | None, out: Console, *, deadline_seconds: float = 30.0) -> None:
-    logs.configure("error")
-    keep = directory is not None
-    workdir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="outbox-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    db_url = f"sqlite:///{workdir / 'outbox.sqlite3'}"
-    try:
+    with demo_files(directory, out) as workdir:
+        db_url = f"sqlite:///{workdir / 'outbox.sqlite3'}"
         with KitService(workdir / "service.sqlite3") as service:
             _story(service, db_url, out, deadline_seconds)
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    if keep:
-        out.print(f"\nfiles kept in {workdir}")
 
 
 def _story(service: KitService, db_url: str, out: Console, deadline_seconds: float) -> None:

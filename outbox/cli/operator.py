@@ -20,6 +20,7 @@ from outbox.cli.support import (
     Context,
     command,
     fail,
+    page_options,
 )
 from outbox.model import Reason
 
@@ -68,8 +69,7 @@ def filter_options(fn: Any) -> Any:
 @command(reconcile, "list", reads=True)
 @click.option("--tenant", default=None, help="Only this tenant's operations.")
 @filter_options
-@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
-@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@page_options(10_000)
 @json_option
 def reconcile_list(
     obj: Context,

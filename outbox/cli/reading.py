@@ -15,6 +15,7 @@ from outbox.cli.support import (
     EXIT_REFUSED,
     Context,
     command,
+    page_options,
 )
 from outbox.model import State
 
@@ -343,8 +344,7 @@ def show(obj: Context, operation_id: str, tenant: str, as_json: bool) -> None:
 @click.option(
     "--newer-than", type=DURATION, default=None, help="Only actions more recent than this."
 )
-@click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True)
-@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@page_options(500)
 @json_option
 def audit(
     obj: Context,

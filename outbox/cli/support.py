@@ -274,45 +274,38 @@ def _setter(field: str) -> Callable[[click.Context, click.Parameter, Any], None]
     return store
 
 
+def page_options(most: int) -> Callable[[F], F]:
+    """``--limit`` (1 to ``most``, 50 by default) and ``--offset``: a page of a listing."""
+
+    def decorate(fn: F) -> F:
+        fn = click.option("--offset", type=click.IntRange(0), default=0, show_default=True)(fn)
+        limit = click.IntRange(1, most)
+        return click.option("--limit", type=limit, default=50, show_default=True)(fn)
+
+    return decorate
+
+
+#: The options every command takes before or after it: (flag, help), in help order.
+_SHARED_OPTIONS = (
+    ("db", "Database URL (or OUTBOX_DB)."),
+    ("schema", "PostgreSQL schema holding the outbox tables (or OUTBOX_SCHEMA)."),
+    ("app", "module:attr naming the application's Outbox (or OUTBOX_APP)."),
+    ("keys", "module:attr naming the key ring for encrypted rows (or OUTBOX_KEYS)."),
+    ("debug", "On failure, print the traceback too."),
+)
+
+
 def shared_options(fn: F) -> F:
     """``--db``, ``--schema``, ``--app`` and ``--debug`` on a command: given after the
     command they override what came before it or from the environment."""
-    for option in reversed(
-        (
-            click.option(
-                "--db",
-                expose_value=False,
-                callback=_setter("db"),
-                help="Database URL (or OUTBOX_DB).",
-            ),
-            click.option(
-                "--schema",
-                expose_value=False,
-                callback=_setter("schema"),
-                help="PostgreSQL schema holding the outbox tables (or OUTBOX_SCHEMA).",
-            ),
-            click.option(
-                "--app",
-                expose_value=False,
-                callback=_setter("app"),
-                help="module:attr naming the application's Outbox (or OUTBOX_APP).",
-            ),
-            click.option(
-                "--keys",
-                expose_value=False,
-                callback=_setter("keys"),
-                help="module:attr naming the key ring for encrypted rows (or OUTBOX_KEYS).",
-            ),
-            click.option(
-                "--debug",
-                is_flag=True,
-                expose_value=False,
-                callback=_setter("debug"),
-                help="On failure, print the traceback too.",
-            ),
-        )
-    ):
-        fn = option(fn)
+    for field, help_text in reversed(_SHARED_OPTIONS):
+        fn = click.option(
+            f"--{field}",
+            is_flag=field == "debug",
+            expose_value=False,
+            callback=_setter(field),
+            help=help_text,
+        )(fn)
     return fn
 
 
@@ -526,4 +519,3 @@ def _cannot_connect(where: str, detail: str) -> str:
             "search_path = schema, and drop --schema)"
         )
     return message
-

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 from outbox.errors import ConfigurationError
 
@@ -117,8 +118,20 @@ class Session:
         return given is not None and hmac.compare_digest(given.encode(), self.csrf.encode())
 
 
-class Sessions:
-    """Open sessions, in memory, each bound to an operator name and a CSRF token."""
+class _Expires(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def expires_at(self) -> float: ...
+
+
+_Item = TypeVar("_Item", bound=_Expires)
+
+
+class Expiring(Generic[_Item]):
+    """Items by ID, in memory, each gone once its ``expires_at`` (``ttl`` seconds after
+    it was made, on ``clock``) has passed."""
 
     def __init__(
         self, ttl_seconds: float = SESSION_TTL_SECONDS, clock: Callable[[], float] = time.monotonic
@@ -126,35 +139,46 @@ class Sessions:
         self.ttl = ttl_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._open: dict[str, Session] = {}
+        self._items: dict[str, _Item] = {}
+
+    def _expires_at(self) -> float:
+        return self._clock() + self.ttl
+
+    def _drop_expired(self) -> None:
+        """Forget every expired item; the caller holds the lock."""
+        now = self._clock()
+        for key in [k for k, item in self._items.items() if item.expires_at <= now]:
+            del self._items[key]
+
+
+class Sessions(Expiring[Session]):
+    """Open sessions, in memory, each bound to an operator name and a CSRF token."""
 
     def create(self, actor: str) -> Session:
         session = Session(
             id=secrets.token_urlsafe(32),
             actor=actor,
             csrf=secrets.token_urlsafe(32),
-            expires_at=self._clock() + self.ttl,
+            expires_at=self._expires_at(),
         )
         with self._lock:
-            now = self._clock()
-            for sid in [k for k, s in self._open.items() if s.expires_at <= now]:
-                del self._open[sid]
-            self._open[session.id] = session
+            self._drop_expired()
+            self._items[session.id] = session
         return session
 
     def get(self, sid: str | None) -> Session | None:
         if not sid:
             return None
         with self._lock:
-            session = self._open.get(sid)
+            session = self._items.get(sid)
             if session is not None and session.expires_at <= self._clock():
-                del self._open[sid]
+                del self._items[sid]
                 return None
             return session
 
     def drop(self, sid: str | None) -> None:
         with self._lock:
-            self._open.pop(sid or "", None)
+            self._items.pop(sid or "", None)
 
 
 class SignInLimiter:

@@ -15,13 +15,10 @@ version the preview saw.
 from __future__ import annotations
 
 import secrets
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox.console.auth import SESSION_TTL_SECONDS, Session
+from outbox.console.auth import Expiring, Session
 from outbox.errors import ValidationError
 from outbox.reconcile.bulk import BulkItem
 
@@ -75,16 +72,8 @@ class BulkPlan:
         return len(self.targets) - self.done
 
 
-class BulkPlans:
+class BulkPlans(Expiring[BulkPlan]):
     """Bulk previews by ID, each usable only by the session that made it."""
-
-    def __init__(
-        self, ttl_seconds: float = SESSION_TTL_SECONDS, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.ttl = ttl_seconds
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._plans: dict[str, BulkPlan] = {}
 
     def add(self, session: Session, **fields: Any) -> BulkPlan:
         """A new preview (``action``, ``note``, ``outcome``, ``accept_duplicate_risk``,
@@ -92,22 +81,20 @@ class BulkPlans:
         plan = BulkPlan(
             id=secrets.token_urlsafe(16),
             session_id=session.id,
-            expires_at=self._clock() + self.ttl,
+            expires_at=self._expires_at(),
             busy=True,
             **fields,
         )
         with self._lock:
-            now = self._clock()
-            for pid in [k for k, p in self._plans.items() if p.expires_at <= now]:
-                del self._plans[pid]
-            mine = [p for p in self._plans.values() if p.session_id == session.id]
+            self._drop_expired()
+            mine = [p for p in self._items.values() if p.session_id == session.id]
             for old in mine[: max(0, len(mine) - PLANS_PER_SESSION + 1)]:
-                del self._plans[old.id]
-            self._plans[plan.id] = plan
+                del self._items[old.id]
+            self._items[plan.id] = plan
         return plan
 
     def _mine(self, session: Session, plan_id: str) -> BulkPlan:
-        plan = self._plans.get(plan_id)
+        plan = self._items.get(plan_id)
         if plan is None or plan.session_id != session.id or plan.expires_at <= self._clock():
             raise ValidationError(_GONE)
         return plan
@@ -131,7 +118,7 @@ class BulkPlans:
         with self._lock:
             plan.busy = False
             if plan.complete and not plan.targets:
-                self._plans.pop(plan.id, None)
+                self._items.pop(plan.id, None)
 
     def take(
         self, session: Session, plan_id: str, *, at: int, size: int
@@ -151,5 +138,5 @@ class BulkPlans:
             page = plan.targets[plan.done : plan.done + size]
             plan.done += len(page)
             if plan.left == 0:
-                del self._plans[plan.id]
+                del self._items[plan.id]
             return plan, page

@@ -53,13 +53,18 @@ def attempts_chart(per_minute: Sequence[dict[str, int]]) -> Markup:
     return Markup("".join(parts))  # noqa: S704 (numbers and fixed words only)
 
 
-def legend() -> Markup:
+def _legend(colours: dict[str, str]) -> Markup:
+    """A colour swatch and its name for each of ``colours`` (fixed names)."""
     items = "".join(
         f'<li><svg width="10" height="10"><rect width="10" height="10" fill="{c}"/></svg> '
         f"{name}</li>"
-        for name, c in _COLOURS.items()
+        for name, c in colours.items()
     )
     return Markup(f'<ul class="legend">{items}</ul>')  # noqa: S704 (fixed words only)
+
+
+def legend() -> Markup:
+    return _legend(_COLOURS)
 
 
 _VERDICT_COLOURS = {"success": "#2e7d32", "retry": "#f9a825", "failed": "#c62828"}
@@ -203,9 +208,4 @@ def latency_chart(latencies: Sequence[EndpointLatency]) -> Markup:
 
 
 def latency_legend() -> Markup:
-    items = "".join(
-        f'<li><svg width="10" height="10"><rect width="10" height="10" fill="{c}"/></svg> '
-        f"{name}</li>"
-        for name, c in _LATENCY_COLOURS.items()
-    )
-    return Markup(f'<ul class="legend">{items}</ul>')  # noqa: S704 (fixed words only)
+    return _legend(_LATENCY_COLOURS)

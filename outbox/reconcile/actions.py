@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from outbox.base.durations import format_duration
 from outbox.base.safetext import check_printable
@@ -83,6 +83,18 @@ class Refusal:
         return OperatorActionRefused(self.message)
 
 
+class FilterArgs(TypedDict, total=False):
+    """The filters of an operator's read or action over many operations: each one given
+    narrows it. Ages are of the last change (for unresolved operations, how long they
+    have been unresolved)."""
+
+    tenant: str | None
+    endpoint: str | None
+    reason: Reason | str | None
+    older_than: timedelta | None
+    newer_than: timedelta | None
+
+
 class OperatorActions:
     """The operator's view of an outbox and every action on it but the status-lookup
     probes (see :class:`~outbox.reconcile.Reconciler`, which adds those)."""
@@ -115,62 +127,34 @@ class OperatorActions:
             raise ValidationError("a duration filter must not be negative")
         return self.outbox.clock.now_ms() - int(age.total_seconds() * 1000)
 
-    def operation_filter(
-        self,
-        state: State,
-        *,
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | str | None = None,
-        older_than: timedelta | None = None,
-        newer_than: timedelta | None = None,
-    ) -> OperatorSelection:
+    def operation_filter(self, state: State, **filters: Unpack[FilterArgs]) -> OperatorSelection:
         """The store's filter for operations in ``state`` (ages measured from now)."""
+        unknown = filters.keys() - FilterArgs.__optional_keys__
+        if unknown:  # a misspelt filter must not widen a read to everything
+            raise TypeError(f"unexpected filter keyword(s) {sorted(unknown)}")
+        reason = filters.get("reason")
         return OperatorSelection(
             states=[state],
-            tenant=tenant,
-            endpoint=endpoint,
+            tenant=filters.get("tenant"),
+            endpoint=filters.get("endpoint"),
             reason=Reason(reason) if reason is not None else None,
-            older_than_ms=self.cutoff_ms(older_than),
-            newer_than_ms=self.cutoff_ms(newer_than),
+            older_than_ms=self.cutoff_ms(filters.get("older_than")),
+            newer_than_ms=self.cutoff_ms(filters.get("newer_than")),
         )
 
     def unresolved(
-        self,
-        *,
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | str | None = None,
-        older_than: timedelta | None = None,
-        newer_than: timedelta | None = None,
-        limit: int = 50,
-        offset: int = 0,
+        self, *, limit: int = 50, offset: int = 0, **filters: Unpack[FilterArgs]
     ) -> list[Operation]:
-        """Unresolved operations, oldest first, filtered and paged. ``older_than`` and
-        ``newer_than`` are ages of the last change (how long it has been unresolved)."""
+        """Unresolved operations, oldest first, filtered (see :class:`FilterArgs`) and
+        paged."""
         if limit < 1 or offset < 0:
             raise ValidationError("limit must be >= 1 and offset >= 0")
-        where = self.operation_filter(
-            State.UNRESOLVED, tenant=tenant, endpoint=endpoint, reason=reason,
-            older_than=older_than, newer_than=newer_than,
-        )  # fmt: skip
+        where = self.operation_filter(State.UNRESOLVED, **filters)
         return self.store.list_operations(where, limit=limit, offset=offset)
 
-    def count(
-        self,
-        *,
-        tenant: str | None = None,
-        endpoint: str | None = None,
-        reason: Reason | str | None = None,
-        older_than: timedelta | None = None,
-        newer_than: timedelta | None = None,
-    ) -> int:
+    def count(self, **filters: Unpack[FilterArgs]) -> int:
         """How many unresolved operations match (what :meth:`unresolved` pages through)."""
-        where = self.operation_filter(
-            State.UNRESOLVED, tenant=tenant, endpoint=endpoint, reason=reason,
-            older_than=older_than, newer_than=newer_than,
-        )  # fmt: skip
-        return self.store.count_operations(where)
+        return self.store.count_operations(self.operation_filter(State.UNRESOLVED, **filters))
 
     def show(self, operation_id: str, *, tenant: str = "") -> OperationReport:
         op = self._load(operation_id, tenant)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -63,6 +63,12 @@ class BulkOutcome(enum.StrEnum):
     CHANGED_BY_SOMEONE_ELSE = "changed_by_someone_else"
 
 
+def _fields_dict(record: BulkItem | BulkGroup) -> dict[str, Any]:
+    """A report row for JSON: its fields in order, the outcome as its value."""
+    values = {f.name: getattr(record, f.name) for f in fields(record)}
+    return {name: v.value if isinstance(v, enum.Enum) else v for name, v in values.items()}
+
+
 @dataclass(frozen=True)
 class BulkItem:
     tenant: str
@@ -74,13 +80,7 @@ class BulkItem:
     detail: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "tenant": self.tenant,
-            "operation_id": self.operation_id,
-            "outcome": self.outcome.value,
-            "why": self.why,
-            "detail": self.detail,
-        }
+        return _fields_dict(self)
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,7 @@ class BulkGroup:
     first_ids: list[str]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "outcome": self.outcome.value,
-            "why": self.why,
-            "count": self.count,
-            "first_ids": self.first_ids,
-        }
+        return _fields_dict(self)
 
 
 @dataclass

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
-from outbox.model import Reason
-from outbox.reconcile.actions import OperatorActions
+from outbox.reconcile.actions import FilterArgs, OperatorActions
 
 if TYPE_CHECKING:
     from outbox.reconcile.probe import ProbeOutcome
@@ -25,23 +23,8 @@ class Reconciler(OperatorActions):
 
         return probe(self.outbox, operation_id, tenant=tenant)
 
-    def probe_all(
-        self,
-        *,
-        endpoint: str | None = None,
-        tenant: str | None = None,
-        reason: Reason | str | None = None,
-        older_than: timedelta | None = None,
-        newer_than: timedelta | None = None,
-    ) -> list[ProbeOutcome]:
+    def probe_all(self, **filters: Unpack[FilterArgs]) -> list[ProbeOutcome]:
         """:meth:`probe` every unresolved operation (optionally filtered)."""
         from outbox.reconcile.probe import probe_all
 
-        return probe_all(
-            self.outbox,
-            endpoint=endpoint,
-            tenant=tenant,
-            reason=reason,
-            older_than=older_than,
-            newer_than=newer_than,
-        )
+        return probe_all(self.outbox, **filters)

@@ -187,6 +187,10 @@ def test_list_is_the_unresolved_queue_oldest_first_filtered_and_paged(shared: Wo
         world.rec.unresolved(offset=-1)
     with pytest.raises(ValueError, match="not_a_reason"):
         world.rec.unresolved(reason="not_a_reason")
+    with pytest.raises(TypeError, match="tenat"):
+        world.rec.unresolved(tenat="acme")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="tenat"):
+        world.rec.count(tenat="acme")  # type: ignore[call-arg]
 
 
 def test_show_tells_the_story_of_each_unresolved_operation(shared: World) -> None:

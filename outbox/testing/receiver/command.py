@@ -6,6 +6,7 @@ import argparse
 import signal
 import threading
 from collections.abc import Sequence
+from dataclasses import fields
 from types import FrameType
 
 from outbox.testing.receiver.dialects import DIALECTS
@@ -28,15 +29,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--synchronous", default="FULL", choices=SYNC_LEVELS)
     parser.add_argument("--dialect", default="ietf", choices=sorted(DIALECTS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
-    for flag in (
-        "drop-after-commit",
-        "fail-before-work",
-        "fail-after-commit",
-        "stored-500",
-        "delay-after-commit",
-        "stuck",
-    ):
-        parser.add_argument(f"--p-{flag}", type=float, default=0.0, metavar="P")
+    # Every probability of RandomFaults, flagged as its to_argv() writes it.
+    for f in fields(RandomFaults):
+        if f.name.startswith("p_"):
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"), type=float, default=0.0, metavar="P"
+            )
     parser.add_argument("--delay-seconds", type=float, default=2.0)
     parser.add_argument("--retry-after", default="1", help="Retry-After of random 503s")
     parser.add_argument(
@@ -75,17 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
 
-    random_faults = RandomFaults(
-        seed=args.seed,
-        p_drop_after_commit=args.p_drop_after_commit,
-        p_fail_before_work=args.p_fail_before_work,
-        p_fail_after_commit=args.p_fail_after_commit,
-        p_stored_500=args.p_stored_500,
-        p_delay_after_commit=args.p_delay_after_commit,
-        delay_seconds=args.delay_seconds,
-        p_stuck=args.p_stuck,
-        retry_after=args.retry_after or None,
-    )
+    # Each RandomFaults field has a flag of its name; an empty --retry-after sends none.
+    settings = {f.name: getattr(args, f.name) for f in fields(RandomFaults)}
+    random_faults = RandomFaults(**{**settings, "retry_after": args.retry_after or None})
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

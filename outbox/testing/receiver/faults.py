@@ -262,19 +262,7 @@ class Rule:
         return self.path is None or self.path in (path, path.split("?", 1)[0])
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "times": self.times,
-            "probability": self.probability,
-            "seed": self.seed,
-            "key": self.key,
-            "path": self.path,
-            "status": self.status,
-            "retry_after": self.retry_after,
-            "stored": self.stored,
-            "seconds": self.seconds,
-            "replays": self.replays,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rng"}
 
 
 def _opt(spec: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

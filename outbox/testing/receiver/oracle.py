@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox.testing.receiver.records import BUSY_TIMEOUT_SECONDS, Effect, Receipt, RequestRecord
+
+_R = TypeVar("_R", Effect, RequestRecord, Receipt)
+#: The column a record's field reads, where the names differ.
+_COLUMNS = {"key": "idempotency_key"}
 
 
 class Oracle:
@@ -37,25 +42,19 @@ class Oracle:
             return "", []
         return " WHERE " + " AND ".join(f"{c} = ?" for c in used), list(used.values())
 
+    def _records(
+        self, record: type[_R], table: str, order: str, filters: Mapping[str, Any]
+    ) -> list[_R]:
+        """``table``'s rows in ``order`` as ``record``s: a field reads the column of its
+        name (``key`` reads ``idempotency_key``); a bool field is made one."""
+        where, params = self._where(filters)
+        rows = self._query(f"SELECT * FROM {table}{where} ORDER BY {order}", params)
+        columns = [(f.name, _COLUMNS.get(f.name, f.name), f.type == "bool") for f in fields(record)]
+        return [record(**_values(r, columns)) for r in rows]
+
     def effects(self, tenant: str | None = None, key: str | None = None) -> list[Effect]:
         """Effect rows in id order, optionally narrowed to a tenant and/or a key."""
-        where, params = self._where({"tenant": tenant, "idempotency_key": key})
-        rows = self._query(f"SELECT * FROM effects{where} ORDER BY id", params)
-        return [
-            Effect(
-                id=r["id"],
-                tenant=r["tenant"],
-                key=r["idempotency_key"],
-                method=r["method"],
-                path=r["path"],
-                body=r["body"],
-                body_sha256=r["body_sha256"],
-                client_operation_id=r["client_operation_id"],
-                request_id=r["request_id"],
-                created_at_ms=r["created_at_ms"],
-            )
-            for r in rows
-        ]
+        return self._records(Effect, "effects", "id", {"tenant": tenant, "idempotency_key": key})
 
     def effect_count(self, key: str | None = None, tenant: str | None = None) -> int:
         """How many effects exist, optionally for one key and/or tenant."""
@@ -64,39 +63,15 @@ class Oracle:
 
     def requests(self, key: str | None = None, tenant: str | None = None) -> list[RequestRecord]:
         """The request log in arrival order (admin routes are never logged)."""
-        where, params = self._where({"tenant": tenant, "idempotency_key": key})
-        rows = self._query(f"SELECT * FROM requests{where} ORDER BY seq", params)
-        return [
-            RequestRecord(
-                seq=r["seq"],
-                arrived_at_ms=r["arrived_at_ms"],
-                method=r["method"],
-                path=r["path"],
-                tenant=r["tenant"],
-                key=r["idempotency_key"],
-                request_id=r["request_id"],
-                body_sha256=r["body_sha256"],
-                outcome=r["outcome"],
-                status=r["status"],
-                traceparent=r["traceparent"],
-            )
-            for r in rows
-        ]
+        filters = {"tenant": tenant, "idempotency_key": key}
+        return self._records(RequestRecord, "requests", "seq", filters)
 
     def receipts(self, key: str | None = None, tenant: str | None = None) -> list[Receipt]:
         """Current receipts (expired ones may still be listed until touched)."""
-        where, params = self._where({"tenant": tenant, "idempotency_key": key})
-        rows = self._query(f"SELECT * FROM receipts{where} ORDER BY created_at_ms", params)
-        return [
-            Receipt(
-                tenant=r["tenant"],
-                key=r["idempotency_key"],
-                payload_hash=r["payload_hash"],
-                state=r["state"],
-                response_status=r["response_status"],
-                response_body=r["response_body"],
-                created_at_ms=r["created_at_ms"],
-                stuck=bool(r["stuck"]),
-            )
-            for r in rows
-        ]
+        filters = {"tenant": tenant, "idempotency_key": key}
+        return self._records(Receipt, "receipts", "created_at_ms", filters)
+
+
+def _values(row: sqlite3.Row, columns: Sequence[tuple[str, str, bool]]) -> dict[str, Any]:
+    """A record's keyword arguments: (field, column, is a bool) read from ``row``."""
+    return {name: bool(row[column]) if flag else row[column] for name, column, flag in columns}
