@@ -269,6 +269,9 @@ def _render_report(report: OperationReport) -> None:
         out.print(f"priority: {op.priority}")
     if op.not_before_ms is not None:
         out.print(f"not before: {ms_to_iso(op.not_before_ms)} (a scheduled send)")
+    if op.deliver_within_ms is not None:
+        by = ms_to_iso(op.created_at_ms + op.deliver_within_ms)
+        out.print(f"deliver by: {by} (its own deadline, if never sent)")
     out.print(f"request: {op.method} {op.path}")
     if op.headers:
         out.print(f"headers: {json.dumps(op.headers, sort_keys=True)}")

@@ -220,6 +220,12 @@ def operation_dict(op: Operation) -> dict[str, Any]:
         "ordering_key": op.ordering_key,
         "priority": op.priority,
         "not_before": ms_to_iso(op.not_before_ms),
+        # The operation's own business deadline, when enqueue set one (None: the
+        # endpoint's RetryPolicy.deliver_within).
+        "deliver_within_ms": op.deliver_within_ms,
+        "deliver_by": None
+        if op.deliver_within_ms is None
+        else ms_to_iso(op.created_at_ms + op.deliver_within_ms),
         "attempts_counted": op.attempts_counted,
         "attempts_total": op.attempts_total,
         "attempts_in_progress": op.attempts_in_progress,

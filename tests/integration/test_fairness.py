@@ -365,28 +365,62 @@ def test_tenant_max_in_flight_must_be_a_positive_int() -> None:
 # -- the operator sees them --------------------------------------------------------------
 
 
-def test_show_displays_priority_and_not_before(make_ob: MakeOutbox, db_url: str) -> None:
+def test_show_displays_priority_not_before_and_deadline(make_ob: MakeOutbox, db_url: str) -> None:
     import json
 
     from click.testing import CliRunner
 
     from outbox.cli import main
+    from outbox.model import ms_to_iso
 
     ob = make_ob()
     at = datetime(2031, 5, 4, 3, 2, 1, tzinfo=UTC)
-    ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="s",
-               priority=7, not_before=at)  # fmt: skip
+    options = {"priority": 7, "not_before": at, "deliver_within": timedelta(hours=2)}
+    ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="s", **options)
     ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="plain")
+    stored = ob.get("s")
+    assert stored is not None
+    by = ms_to_iso(stored.created_at_ms + 7_200_000)
     shown = CliRunner().invoke(main, ["--db", db_url, "show", "s", "--json"])
     assert shown.exit_code == 0, shown.output
     data = json.loads(shown.output)
     data = data.get("operation", data)
     assert (data["priority"], data["not_before"]) == (7, "2031-05-04T03:02:01.000Z")
+    assert (data["deliver_within_ms"], data["deliver_by"]) == (7_200_000, by)
     table = CliRunner().invoke(main, ["--db", db_url, "show", "s"])
     assert "priority: 7" in table.output
     assert "not before: 2031-05-04T03:02:01.000Z" in table.output
+    assert f"deliver by: {by} (its own deadline, if never sent)" in table.output
     plain = CliRunner().invoke(main, ["--db", db_url, "show", "plain"])
     assert "priority" not in plain.output and "not before" not in plain.output
+    assert "deliver by" not in plain.output
+    plain_data = json.loads(
+        CliRunner().invoke(main, ["--db", db_url, "show", "plain", "--json"]).output
+    )
+    assert plain_data.get("operation", plain_data)["deliver_by"] is None
+
+
+def test_the_console_page_shows_priority_not_before_and_deadline(make_ob: MakeOutbox) -> None:
+    import html
+
+    from starlette.testclient import TestClient
+
+    from outbox.console import Credentials, create_app
+
+    ob = make_ob()
+    at = datetime(2031, 5, 4, 3, 2, 1, tzinfo=UTC)
+    options = {"priority": 7, "not_before": at, "deliver_within": timedelta(hours=2)}
+    ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="s", **options)
+    ob.enqueue(endpoint="rx", method="POST", path="/o", json={}, operation_id="plain")
+    token = "alice-" + "a" * 20
+    credentials = Credentials.parse(f"alice:{token}\n", default_name="nobody", source="test")
+    c = TestClient(create_app(ob, credentials), base_url="http://127.0.0.1")
+    assert c.post("/login", data={"token": token}, follow_redirects=False).status_code == 303
+    page = html.unescape(c.get("/operation?tenant=&id=s").text)
+    assert "priority 7" in page and "not before 2031-05-04" in page
+    assert "deliver by" in page and "(its own deadline, if never sent)" in page
+    plain = html.unescape(c.get("/operation?tenant=&id=plain").text)
+    assert "deliver by" not in plain and "not before" not in plain and "priority 7" not in plain
 
 
 # -- the claim stays on its indexes ------------------------------------------------------
