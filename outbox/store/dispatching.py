@@ -21,6 +21,7 @@ from outbox.model import Delivery, PolicySnapshot, State
 from outbox.store._sqlalchemy import returning_count
 from outbox.store.fairness import caps_json, next_cursor
 from outbox.store.records import (
+    AttemptLease,
     AttemptOutcome,
     Claimed,
     ClaimPlan,
@@ -235,10 +236,8 @@ class DispatchQueries:
             self._release_on(conn, token=token, now_ms=now_ms, pks=r.pks,
                              delay_ms=r.delay_ms, last_error=r.last_error)  # fmt: skip
         settled = self._settle_on(conn, now_ms=now_ms, settlements=decided.settlements)
-        started = self._begin_on(
-            conn, token=token, owner=owner, now_ms=now_ms, lease_until=now_ms + lease_ms,
-            request_ids=decided.send,
-        )  # fmt: skip
+        lease = AttemptLease(owner, token, now_ms, lease_until=now_ms + lease_ms)
+        started = self._begin_on(conn, lease, decided.send)
         return ClaimResult(claimed, recovered, decided, started, settled)
 
     def _claim_on(
@@ -332,24 +331,17 @@ class DispatchQueries:
         if not request_ids:
             return []
         with self.write() as conn:
-            return self._begin_on(conn, token=token, owner=owner, now_ms=now_ms,
-                                  lease_until=lease_until, request_ids=request_ids)  # fmt: skip
+            lease = AttemptLease(owner, token, now_ms, lease_until)
+            return self._begin_on(conn, lease, request_ids)
 
     def _begin_on(
-        self,
-        conn: Connection,
-        *,
-        token: str,
-        owner: str,
-        now_ms: int,
-        lease_until: int,
-        request_ids: dict[int, str],
+        self, conn: Connection, lease: AttemptLease, request_ids: dict[int, str]
     ) -> list[StartedAttempt]:
         if not request_ids:
             return []
         rows = conn.execute(
             self._batch.begin,
-            {"b_ids": self._pks_value(request_ids), "b_token": token, "b_now": now_ms},
+            {"b_ids": self._pks_value(request_ids), "b_token": lease.token, "b_now": lease.now_ms},
         ).all()
         started = [
             StartedAttempt(
@@ -362,19 +354,11 @@ class DispatchQueries:
             for r in rows
         ]
         if started:
-            self._insert_attempts_on(conn, owner=owner, token=token, now_ms=now_ms,
-                                     lease_until=lease_until, started=started)  # fmt: skip
+            self._insert_attempts_on(conn, lease, started)
         return started
 
     def _insert_attempts_on(
-        self,
-        conn: Connection,
-        *,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_until: int,
-        started: Sequence[StartedAttempt],
+        self, conn: Connection, lease: AttemptLease, started: Sequence[StartedAttempt]
     ) -> None:
         """The open attempt rows of ``started`` (one INSERT executed per row; a dialect
         may write them in one statement)."""
@@ -385,10 +369,10 @@ class DispatchQueries:
                     "operation_pk": s.pk,
                     "number": s.number,
                     "request_id": s.request_id,
-                    "dispatcher_id": owner,
-                    "lease_token": token,
-                    "started_at": now_ms,
-                    "lease_until": lease_until,
+                    "dispatcher_id": lease.owner,
+                    "lease_token": lease.token,
+                    "started_at": lease.now_ms,
+                    "lease_until": lease.lease_until,
                 }
                 for s in started
             ],

@@ -42,7 +42,7 @@ from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
 from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.marker import COLUMN as MARKER_COLUMN
-from outbox.store.records import AttemptOutcome, StartedAttempt, TxStatus
+from outbox.store.records import AttemptLease, AttemptOutcome, StartedAttempt, TxStatus
 from outbox.store.rows import headers_text
 from outbox.store.statements import (
     CLAIM_VALUES,
@@ -159,22 +159,21 @@ class PostgresStore(Store):
     # does; one statement over arrays is executed once, whatever the batch's size.
 
     def _insert_attempts_on(
-        self,
-        conn: Connection,
-        *,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_until: int,
-        started: Sequence[StartedAttempt],
+        self, conn: Connection, lease: AttemptLease, started: Sequence[StartedAttempt]
     ) -> None:
         send_binary_lists(conn)
         conn.execute(
             _ATTEMPTS_INSERT,
-            {"b_pk": [s.pk for s in started], "b_number": [s.number for s in started],
-             "b_rid": [s.request_id for s in started], "b_owner": owner, "b_token": token,
-             "b_now": now_ms, "b_until": lease_until},
-        )  # fmt: skip
+            {
+                "b_pk": [s.pk for s in started],
+                "b_number": [s.number for s in started],
+                "b_rid": [s.request_id for s in started],
+                "b_owner": lease.owner,
+                "b_token": lease.token,
+                "b_now": lease.now_ms,
+                "b_until": lease.lease_until,
+            },
+        )
 
     def _write_outcomes_on(
         self, conn: Connection, *, now_ms: int, mine: Sequence[AttemptOutcome]
@@ -247,15 +246,8 @@ class PostgresStore(Store):
                 column("rn", BigInteger),
                 column("pos", BigInteger),
             )
-            .cte("due")
-            .prefix_with("MATERIALIZED")
         )
-        return (
-            update(operations)
-            .where(operations.c.id == due.c.id)
-            .values(CLAIM_VALUES)
-            .returning(*self._CLAIMED_COLUMNS, due.c.rn, due.c.pos, due.c.was)
-        )
+        return self._claim_update(due, "rn", "pos", "was")
 
     @functools.cached_property
     def _probe_claim(self) -> Any:
@@ -265,14 +257,18 @@ class PostgresStore(Store):
             claimable_ids(*claim_limits(), probe=True)
             .add_columns(operations.c.state.label("was"))
             .with_for_update(skip_locked=True, of=operations)
-            .cte("due")
-            .prefix_with("MATERIALIZED")
         )
+        return self._claim_update(due, "was")
+
+    def _claim_update(self, due: Any, *after: str) -> Any:
+        """Claim the rows ``due`` selects (run once, as a MATERIALIZED CTE), returning
+        the claimed columns and then ``due``'s columns named in ``after``."""
+        cte = due.cte("due").prefix_with("MATERIALIZED")
         return (
             update(operations)
-            .where(operations.c.id == due.c.id)
+            .where(operations.c.id == cte.c.id)
             .values(CLAIM_VALUES)
-            .returning(*self._CLAIMED_COLUMNS, due.c.was)
+            .returning(*self._CLAIMED_COLUMNS, *(cte.c[name] for name in after))
         )
 
     def _probe_claim_statement(self) -> Any:

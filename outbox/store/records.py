@@ -67,6 +67,17 @@ class StartedAttempt:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptLease:
+    """What the open attempt rows of one batch share: the dispatcher, the lease token
+    the batch was claimed under, when the attempts start and until when they hold."""
+
+    owner: str
+    token: str
+    now_ms: int
+    lease_until: int
+
+
+@dataclass(frozen=True, slots=True)
 class StoredResult:
     status: int
     #: The endpoint's evidence headers of the response (credentials redacted).
