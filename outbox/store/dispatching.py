@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, insert, update
 from sqlalchemy.sql.elements import ColumnElement
 
+from outbox.base.fields import from_row
 from outbox.model import Delivery, PolicySnapshot, State
 from outbox.store._sqlalchemy import returning_count
 from outbox.store.fairness import caps_json, next_cursor
@@ -304,15 +305,7 @@ class DispatchQueries:
         if rows:
             flagged = self._pks_value([r.operation_pk for r in rows])
             conn.execute(batch.flag_maybe, {"b_ids": flagged})
-        return [
-            Recovered(
-                pk=r.operation_pk,
-                request_id=r.request_id,
-                number=r.number,
-                dispatcher_id=r.dispatcher_id,
-            )
-            for r in rows
-        ]
+        return [from_row(Recovered, r, pk=r.operation_pk) for r in rows]
 
     def begin_attempts(
         self,
