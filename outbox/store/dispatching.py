@@ -45,6 +45,22 @@ from outbox.store.statements import (
 from outbox.store.tables import attempts, operations
 
 
+def attempt_outcome_params(out: AttemptOutcome) -> dict[str, Any]:
+    """The parameters of the UPDATE closing ``out``'s attempt row
+    (:func:`~outbox.store.statements.attempt_outcome_update`) but ``b_now``."""
+    return {
+        "b_rid": out.request_id,
+        "b_delivery": out.delivery.value,
+        "b_verdict": out.verdict.value if out.verdict else None,
+        "b_counted": out.counted,
+        "b_status": out.status_code,
+        "b_rrid": out.receiver_request_id,
+        "b_eclass": out.error_class,
+        "b_emsg": out.error_message,
+        "b_duration": out.duration_ms,
+    }
+
+
 def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     """A claimed row (:data:`DispatchQueries._CLAIMED_COLUMNS`, in that order) as
     :class:`Claimed`: by position, sealed columns opened, the stored headers decoded. A
@@ -406,53 +422,42 @@ class DispatchQueries:
         the order of the first outcome of each kind; then the attempts, in order."""
         groups: dict[OutcomeShape, list[dict[str, Any]]] = {}
         for out in mine:
-            params: dict[str, Any] = {
-                "b_pk": out.pk,
-                "b_token": out.lease_token,
-                "b_state": out.state.value,
-                "b_reason": out.reason.value if out.reason else None,
-                "b_next": out.next_attempt_at,
-                "b_maybe": out.maybe_delivered,
-                "b_refusal": out.saw_refusal,
-                "b_now": now_ms,
-            }
-            if out.result is not None:
-                sealed = self.sealer.seal_result(
-                    out.pk,
-                    {
-                        "result_headers": headers_text(out.result.headers),
-                        "result_body": out.result.body,
-                    },
-                )
-                params.update(
-                    b_rstatus=out.result.status,
-                    b_rheaders=sealed["result_headers"],
-                    b_rbody=sealed["result_body"],
-                    b_rsha=out.result.sha256,
-                    b_rsize=out.result.size,
-                    b_rtrunc=out.result.truncated,
-                )
+            params = {**self._outcome_params(out), "b_now": now_ms}
             groups.setdefault(outcome_shape(out), []).append(params)
         for shape, rows in groups.items():
             conn.execute(_outcome_update(*shape), rows)
-        conn.execute(
-            _ATTEMPT_OUTCOME,
-            [
+        rows = [{**attempt_outcome_params(out), "b_now": now_ms} for out in mine]
+        conn.execute(_ATTEMPT_OUTCOME, rows)
+
+    def _outcome_params(self, out: AttemptOutcome) -> dict[str, Any]:
+        """The parameters of ``out``'s operation UPDATE (:func:`outcome_update`) but
+        ``b_now``: its fence, its transition and, if any, its result, sealed."""
+        params: dict[str, Any] = {
+            "b_pk": out.pk,
+            "b_token": out.lease_token,
+            "b_state": out.state.value,
+            "b_reason": out.reason.value if out.reason else None,
+            "b_next": out.next_attempt_at,
+            "b_maybe": out.maybe_delivered,
+            "b_refusal": out.saw_refusal,
+        }
+        if out.result is not None:
+            sealed = self.sealer.seal_result(
+                out.pk,
                 {
-                    "b_rid": out.request_id,
-                    "b_delivery": out.delivery.value,
-                    "b_verdict": out.verdict.value if out.verdict else None,
-                    "b_counted": out.counted,
-                    "b_status": out.status_code,
-                    "b_rrid": out.receiver_request_id,
-                    "b_eclass": out.error_class,
-                    "b_emsg": out.error_message,
-                    "b_duration": out.duration_ms,
-                    "b_now": now_ms,
-                }
-                for out in mine
-            ],
-        )
+                    "result_headers": headers_text(out.result.headers),
+                    "result_body": out.result.body,
+                },
+            )
+            params.update(
+                b_rstatus=out.result.status,
+                b_rheaders=sealed["result_headers"],
+                b_rbody=sealed["result_body"],
+                b_rsha=out.result.sha256,
+                b_rsize=out.result.size,
+                b_rtrunc=out.result.truncated,
+            )
+        return params
 
     def _settle_on(
         self, conn: Connection, *, now_ms: int, settlements: Sequence[Settlement]

@@ -40,10 +40,10 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
+from outbox.store.dispatching import attempt_outcome_params
 from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.marker import COLUMN as MARKER_COLUMN
 from outbox.store.records import AttemptLease, AttemptOutcome, StartedAttempt, TxStatus
-from outbox.store.rows import headers_text
 from outbox.store.statements import (
     CLAIM_VALUES,
     OutcomeShape,
@@ -106,6 +106,11 @@ _ATTEMPT_COLUMNS: dict[str, TypeEngine[Any]] = {
     "b_status": Integer(), "b_rrid": Text(), "b_eclass": Text(), "b_emsg": Text(),
     "b_duration": Integer(),
 }  # fmt: skip
+
+
+def _arrays(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The per-row parameters of a batch (one name set) as one array per name."""
+    return {name: [row[name] for row in rows] for name in rows[0]}
 
 
 @functools.cache
@@ -189,47 +194,10 @@ class PostgresStore(Store):
         for out in mine:
             groups.setdefault(outcome_shape(out), []).append(out)
         for shape, outs in groups.items():
-            params: dict[str, Any] = {
-                "b_pk": [o.pk for o in outs],
-                "b_token": [o.lease_token for o in outs],
-                "b_state": [o.state.value for o in outs],
-                "b_reason": [o.reason.value if o.reason else None for o in outs],
-                "b_next": [o.next_attempt_at for o in outs],
-                "b_maybe": [o.maybe_delivered for o in outs],
-                "b_refusal": [o.saw_refusal for o in outs],
-                "b_now": now_ms,
-            }
-            results = [o.result for o in outs if o.result is not None]
-            if results:
-                sealed = [
-                    self.sealer.seal_result(o.pk, {"result_headers": headers_text(o.result.headers),
-                                                   "result_body": o.result.body})
-                    for o in outs if o.result is not None
-                ]  # fmt: skip
-                params.update(
-                    b_rstatus=[r.status for r in results],
-                    b_rheaders=[v["result_headers"] for v in sealed],
-                    b_rbody=[v["result_body"] for v in sealed],
-                    b_rsha=[r.sha256 for r in results],
-                    b_rsize=[r.size for r in results],
-                    b_rtrunc=[r.truncated for r in results],
-                )
-            conn.execute(_outcomes_update(shape), params)
-        conn.execute(
-            _ATTEMPTS_UPDATE,
-            {
-                "b_rid": [o.request_id for o in mine],
-                "b_delivery": [o.delivery.value for o in mine],
-                "b_verdict": [o.verdict.value if o.verdict else None for o in mine],
-                "b_counted": [o.counted for o in mine],
-                "b_status": [o.status_code for o in mine],
-                "b_rrid": [o.receiver_request_id for o in mine],
-                "b_eclass": [o.error_class for o in mine],
-                "b_emsg": [o.error_message for o in mine],
-                "b_duration": [o.duration_ms for o in mine],
-                "b_now": now_ms,
-            },
-        )
+            params = _arrays([self._outcome_params(o) for o in outs])
+            conn.execute(_outcomes_update(shape), {**params, "b_now": now_ms})
+        params = _arrays([attempt_outcome_params(o) for o in mine])
+        conn.execute(_ATTEMPTS_UPDATE, {**params, "b_now": now_ms})
 
     def _claim_statement(self) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts
