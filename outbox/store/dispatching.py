@@ -61,6 +61,20 @@ def attempt_outcome_params(out: AttemptOutcome) -> dict[str, Any]:
     }
 
 
+def _attempt_row(pk: int, number: int, request_id: str, lease: AttemptLease) -> dict[str, Any]:
+    """What every new attempt row says: whose attempt it is, which, by whom, under
+    which lease, since and until when."""
+    return {
+        "operation_pk": pk,
+        "number": number,
+        "request_id": request_id,
+        "dispatcher_id": lease.owner,
+        "lease_token": lease.token,
+        "started_at": lease.now_ms,
+        "lease_until": lease.lease_until,
+    }
+
+
 def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
     """A claimed row (:data:`DispatchQueries._CLAIMED_COLUMNS`, in that order) as
     :class:`Claimed`: by position, sealed columns opened, the stored headers decoded. A
@@ -371,21 +385,8 @@ class DispatchQueries:
     ) -> None:
         """The open attempt rows of ``started`` (one INSERT executed per row; a dialect
         may write them in one statement)."""
-        conn.execute(
-            INSERT_ATTEMPTS,
-            [
-                {
-                    "operation_pk": s.pk,
-                    "number": s.number,
-                    "request_id": s.request_id,
-                    "dispatcher_id": lease.owner,
-                    "lease_token": lease.token,
-                    "started_at": lease.now_ms,
-                    "lease_until": lease.lease_until,
-                }
-                for s in started
-            ],
-        )
+        rows = [_attempt_row(s.pk, s.number, s.request_id, lease) for s in started]
+        conn.execute(INSERT_ATTEMPTS, rows)
 
     def record_outcomes(self, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
         """Write attempt outcomes and transitions; returns the operations written.
@@ -488,15 +489,10 @@ class DispatchQueries:
             written.add(s.pk)
             if s.not_sent is not None:
                 error_class, message, request_id, owner = s.not_sent
+                lease = AttemptLease(owner, s.lease_token, now_ms, lease_until=now_ms)
                 conn.execute(
                     insert(attempts).values(
-                        operation_pk=s.pk,
-                        number=row.attempts_total,
-                        request_id=request_id,
-                        dispatcher_id=owner,
-                        lease_token=s.lease_token,
-                        started_at=now_ms,
-                        lease_until=now_ms,
+                        **_attempt_row(s.pk, row.attempts_total, request_id, lease),
                         finished_at=now_ms,
                         delivery=Delivery.NOT_SENT.value,
                         counted=False,
