@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 from sqlalchemy import Connection, bindparam, func, insert, update
 from sqlalchemy.sql.elements import ColumnElement
@@ -24,6 +24,7 @@ from outbox.store.fairness import caps_json, next_cursor
 from outbox.store.records import (
     AttemptLease,
     AttemptOutcome,
+    BatchClaimArgs,
     Claimed,
     ClaimPlan,
     ClaimResult,
@@ -185,18 +186,7 @@ class DispatchQueries:
             return self._claim_on(conn, owner=owner, token=token, now_ms=now_ms,
                                   lease_ms=lease_ms, limit=limit, steady_ms=steady_ms)  # fmt: skip
 
-    def claim_and_begin(
-        self,
-        *,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_ms: int,
-        limit: int,
-        plan: Callable[[list[Claimed]], ClaimPlan],
-        server_clock: bool = False,
-        steady_ms: int | None = None,
-    ) -> ClaimResult:
+    def claim_and_begin(self, **claim: Unpack[BatchClaimArgs]) -> ClaimResult:
         """Claim a batch and commit its attempt rows in the same transaction.
 
         ``plan`` (pure, no I/O) decides about the claimed rows inside the transaction:
@@ -207,33 +197,17 @@ class DispatchQueries:
         sent either; the attempts it may have written are closed at the lease's end.)
         """
         with self.write() as conn:
-            return self._claim_and_begin_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
-                plan=plan, server_clock=server_clock, steady_ms=steady_ms,
-            )  # fmt: skip
+            return self._claim_and_begin_on(conn, **claim)
 
     def record_and_claim(
-        self,
-        *,
-        outcomes: Sequence[AttemptOutcome],
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_ms: int,
-        limit: int,
-        plan: Callable[[list[Claimed]], ClaimPlan],
-        server_clock: bool = False,
-        steady_ms: int | None = None,
+        self, *, outcomes: Sequence[AttemptOutcome], **claim: Unpack[BatchClaimArgs]
     ) -> tuple[set[int], ClaimResult]:
         """``record_outcomes`` then ``claim_and_begin``, in one transaction (one COMMIT
         where there were two). The outcomes are fenced exactly as on their own; if any
         part fails, none of it is written."""
         with self.write() as conn:
-            written = self._record_on(conn, now_ms=now_ms, outcomes=outcomes)
-            result = self._claim_and_begin_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
-                plan=plan, server_clock=server_clock, steady_ms=steady_ms,
-            )  # fmt: skip
+            written = self._record_on(conn, now_ms=claim["now_ms"], outcomes=outcomes)
+            result = self._claim_and_begin_on(conn, **claim)
         return written, result
 
     def _claim_and_begin_on(
