@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from outbox.base.fields import from_row
 from outbox.receiver.tables import receipts as t
 
 
@@ -53,18 +54,8 @@ def _where(scope: Scope, key: str) -> Any:
 
 
 def _row(r: Any) -> Row:
-    return Row(
-        fingerprint=r.fingerprint,
-        state=r.state,
-        token=r.token,
-        lease_until_ms=r.lease_until_ms,
-        status=r.status,
-        headers=json.loads(r.headers) if r.headers else {},
-        body=bytes(r.body) if r.body is not None else b"",
-        created_ms=r.created_ms,
-        expires_ms=r.expires_ms,
-        route=r.route,
-    )
+    headers = json.loads(r.headers) if r.headers else {}
+    return from_row(Row, r, headers=headers, body=bytes(r.body) if r.body is not None else b"")
 
 
 def insert_claim(

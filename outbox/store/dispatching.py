@@ -12,16 +12,19 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 from sqlalchemy import Connection, bindparam, func, insert, update
 from sqlalchemy.sql.elements import ColumnElement
 
+from outbox.base.fields import from_row
 from outbox.model import Delivery, PolicySnapshot, State
 from outbox.store._sqlalchemy import returning_count
 from outbox.store.fairness import caps_json, next_cursor
 from outbox.store.records import (
+    AttemptLease,
     AttemptOutcome,
+    BatchClaimArgs,
     Claimed,
     ClaimPlan,
     ClaimResult,
@@ -41,6 +44,36 @@ from outbox.store.statements import (
     outcome_shape,
 )
 from outbox.store.tables import attempts, operations
+
+
+def attempt_outcome_params(out: AttemptOutcome) -> dict[str, Any]:
+    """The parameters of the UPDATE closing ``out``'s attempt row
+    (:func:`~outbox.store.statements.attempt_outcome_update`) but ``b_now``."""
+    return {
+        "b_rid": out.request_id,
+        "b_delivery": out.delivery.value,
+        "b_verdict": out.verdict.value if out.verdict else None,
+        "b_counted": out.counted,
+        "b_status": out.status_code,
+        "b_rrid": out.receiver_request_id,
+        "b_eclass": out.error_class,
+        "b_emsg": out.error_message,
+        "b_duration": out.duration_ms,
+    }
+
+
+def _attempt_row(pk: int, number: int, request_id: str, lease: AttemptLease) -> dict[str, Any]:
+    """What every new attempt row says: whose attempt it is, which, by whom, under
+    which lease, since and until when."""
+    return {
+        "operation_pk": pk,
+        "number": number,
+        "request_id": request_id,
+        "dispatcher_id": lease.owner,
+        "lease_token": lease.token,
+        "started_at": lease.now_ms,
+        "lease_until": lease.lease_until,
+    }
 
 
 def claimed_from_row(r: Any, sealer: Sealer = PLAIN) -> Claimed:
@@ -157,18 +190,7 @@ class DispatchQueries:
             return self._claim_on(conn, owner=owner, token=token, now_ms=now_ms,
                                   lease_ms=lease_ms, limit=limit, steady_ms=steady_ms)  # fmt: skip
 
-    def claim_and_begin(
-        self,
-        *,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_ms: int,
-        limit: int,
-        plan: Callable[[list[Claimed]], ClaimPlan],
-        server_clock: bool = False,
-        steady_ms: int | None = None,
-    ) -> ClaimResult:
+    def claim_and_begin(self, **claim: Unpack[BatchClaimArgs]) -> ClaimResult:
         """Claim a batch and commit its attempt rows in the same transaction.
 
         ``plan`` (pure, no I/O) decides about the claimed rows inside the transaction:
@@ -179,33 +201,17 @@ class DispatchQueries:
         sent either; the attempts it may have written are closed at the lease's end.)
         """
         with self.write() as conn:
-            return self._claim_and_begin_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
-                plan=plan, server_clock=server_clock, steady_ms=steady_ms,
-            )  # fmt: skip
+            return self._claim_and_begin_on(conn, **claim)
 
     def record_and_claim(
-        self,
-        *,
-        outcomes: Sequence[AttemptOutcome],
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_ms: int,
-        limit: int,
-        plan: Callable[[list[Claimed]], ClaimPlan],
-        server_clock: bool = False,
-        steady_ms: int | None = None,
+        self, *, outcomes: Sequence[AttemptOutcome], **claim: Unpack[BatchClaimArgs]
     ) -> tuple[set[int], ClaimResult]:
         """``record_outcomes`` then ``claim_and_begin``, in one transaction (one COMMIT
         where there were two). The outcomes are fenced exactly as on their own; if any
         part fails, none of it is written."""
         with self.write() as conn:
-            written = self._record_on(conn, now_ms=now_ms, outcomes=outcomes)
-            result = self._claim_and_begin_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=limit,
-                plan=plan, server_clock=server_clock, steady_ms=steady_ms,
-            )  # fmt: skip
+            written = self._record_on(conn, now_ms=claim["now_ms"], outcomes=outcomes)
+            result = self._claim_and_begin_on(conn, **claim)
         return written, result
 
     def _claim_and_begin_on(
@@ -239,10 +245,8 @@ class DispatchQueries:
             self._release_on(conn, token=token, now_ms=now_ms, pks=r.pks,
                              delay_ms=r.delay_ms, last_error=r.last_error)  # fmt: skip
         settled = self._settle_on(conn, now_ms=now_ms, settlements=decided.settlements)
-        started = self._begin_on(
-            conn, token=token, owner=owner, now_ms=now_ms, lease_until=now_ms + lease_ms,
-            request_ids=decided.send,
-        )  # fmt: skip
+        lease = AttemptLease(owner, token, now_ms, lease_until=now_ms + lease_ms)
+        started = self._begin_on(conn, lease, decided.send)
         return ClaimResult(claimed, recovered, decided, started, settled)
 
     def _claim_on(
@@ -309,15 +313,7 @@ class DispatchQueries:
         if rows:
             flagged = self._pks_value([r.operation_pk for r in rows])
             conn.execute(batch.flag_maybe, {"b_ids": flagged})
-        return [
-            Recovered(
-                pk=r.operation_pk,
-                request_id=r.request_id,
-                number=r.number,
-                dispatcher_id=r.dispatcher_id,
-            )
-            for r in rows
-        ]
+        return [from_row(Recovered, r, pk=r.operation_pk) for r in rows]
 
     def begin_attempts(
         self,
@@ -336,24 +332,17 @@ class DispatchQueries:
         if not request_ids:
             return []
         with self.write() as conn:
-            return self._begin_on(conn, token=token, owner=owner, now_ms=now_ms,
-                                  lease_until=lease_until, request_ids=request_ids)  # fmt: skip
+            lease = AttemptLease(owner, token, now_ms, lease_until)
+            return self._begin_on(conn, lease, request_ids)
 
     def _begin_on(
-        self,
-        conn: Connection,
-        *,
-        token: str,
-        owner: str,
-        now_ms: int,
-        lease_until: int,
-        request_ids: dict[int, str],
+        self, conn: Connection, lease: AttemptLease, request_ids: dict[int, str]
     ) -> list[StartedAttempt]:
         if not request_ids:
             return []
         rows = conn.execute(
             self._batch.begin,
-            {"b_ids": self._pks_value(request_ids), "b_token": token, "b_now": now_ms},
+            {"b_ids": self._pks_value(request_ids), "b_token": lease.token, "b_now": lease.now_ms},
         ).all()
         started = [
             StartedAttempt(
@@ -366,37 +355,16 @@ class DispatchQueries:
             for r in rows
         ]
         if started:
-            self._insert_attempts_on(conn, owner=owner, token=token, now_ms=now_ms,
-                                     lease_until=lease_until, started=started)  # fmt: skip
+            self._insert_attempts_on(conn, lease, started)
         return started
 
     def _insert_attempts_on(
-        self,
-        conn: Connection,
-        *,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_until: int,
-        started: Sequence[StartedAttempt],
+        self, conn: Connection, lease: AttemptLease, started: Sequence[StartedAttempt]
     ) -> None:
         """The open attempt rows of ``started`` (one INSERT executed per row; a dialect
         may write them in one statement)."""
-        conn.execute(
-            INSERT_ATTEMPTS,
-            [
-                {
-                    "operation_pk": s.pk,
-                    "number": s.number,
-                    "request_id": s.request_id,
-                    "dispatcher_id": owner,
-                    "lease_token": token,
-                    "started_at": now_ms,
-                    "lease_until": lease_until,
-                }
-                for s in started
-            ],
-        )
+        rows = [_attempt_row(s.pk, s.number, s.request_id, lease) for s in started]
+        conn.execute(INSERT_ATTEMPTS, rows)
 
     def record_outcomes(self, *, now_ms: int, outcomes: Sequence[AttemptOutcome]) -> set[int]:
         """Write attempt outcomes and transitions; returns the operations written.
@@ -433,53 +401,42 @@ class DispatchQueries:
         the order of the first outcome of each kind; then the attempts, in order."""
         groups: dict[OutcomeShape, list[dict[str, Any]]] = {}
         for out in mine:
-            params: dict[str, Any] = {
-                "b_pk": out.pk,
-                "b_token": out.lease_token,
-                "b_state": out.state.value,
-                "b_reason": out.reason.value if out.reason else None,
-                "b_next": out.next_attempt_at,
-                "b_maybe": out.maybe_delivered,
-                "b_refusal": out.saw_refusal,
-                "b_now": now_ms,
-            }
-            if out.result is not None:
-                sealed = self.sealer.seal_result(
-                    out.pk,
-                    {
-                        "result_headers": headers_text(out.result.headers),
-                        "result_body": out.result.body,
-                    },
-                )
-                params.update(
-                    b_rstatus=out.result.status,
-                    b_rheaders=sealed["result_headers"],
-                    b_rbody=sealed["result_body"],
-                    b_rsha=out.result.sha256,
-                    b_rsize=out.result.size,
-                    b_rtrunc=out.result.truncated,
-                )
+            params = {**self._outcome_params(out), "b_now": now_ms}
             groups.setdefault(outcome_shape(out), []).append(params)
         for shape, rows in groups.items():
             conn.execute(_outcome_update(*shape), rows)
-        conn.execute(
-            _ATTEMPT_OUTCOME,
-            [
+        rows = [{**attempt_outcome_params(out), "b_now": now_ms} for out in mine]
+        conn.execute(_ATTEMPT_OUTCOME, rows)
+
+    def _outcome_params(self, out: AttemptOutcome) -> dict[str, Any]:
+        """The parameters of ``out``'s operation UPDATE (:func:`outcome_update`) but
+        ``b_now``: its fence, its transition and, if any, its result, sealed."""
+        params: dict[str, Any] = {
+            "b_pk": out.pk,
+            "b_token": out.lease_token,
+            "b_state": out.state.value,
+            "b_reason": out.reason.value if out.reason else None,
+            "b_next": out.next_attempt_at,
+            "b_maybe": out.maybe_delivered,
+            "b_refusal": out.saw_refusal,
+        }
+        if out.result is not None:
+            sealed = self.sealer.seal_result(
+                out.pk,
                 {
-                    "b_rid": out.request_id,
-                    "b_delivery": out.delivery.value,
-                    "b_verdict": out.verdict.value if out.verdict else None,
-                    "b_counted": out.counted,
-                    "b_status": out.status_code,
-                    "b_rrid": out.receiver_request_id,
-                    "b_eclass": out.error_class,
-                    "b_emsg": out.error_message,
-                    "b_duration": out.duration_ms,
-                    "b_now": now_ms,
-                }
-                for out in mine
-            ],
-        )
+                    "result_headers": headers_text(out.result.headers),
+                    "result_body": out.result.body,
+                },
+            )
+            params.update(
+                b_rstatus=out.result.status,
+                b_rheaders=sealed["result_headers"],
+                b_rbody=sealed["result_body"],
+                b_rsha=out.result.sha256,
+                b_rsize=out.result.size,
+                b_rtrunc=out.result.truncated,
+            )
+        return params
 
     def _settle_on(
         self, conn: Connection, *, now_ms: int, settlements: Sequence[Settlement]
@@ -510,15 +467,10 @@ class DispatchQueries:
             written.add(s.pk)
             if s.not_sent is not None:
                 error_class, message, request_id, owner = s.not_sent
+                lease = AttemptLease(owner, s.lease_token, now_ms, lease_until=now_ms)
                 conn.execute(
                     insert(attempts).values(
-                        operation_pk=s.pk,
-                        number=row.attempts_total,
-                        request_id=request_id,
-                        dispatcher_id=owner,
-                        lease_token=s.lease_token,
-                        started_at=now_ms,
-                        lease_until=now_ms,
+                        **_attempt_row(s.pk, row.attempts_total, request_id, lease),
                         finished_at=now_ms,
                         delivery=Delivery.NOT_SENT.value,
                         counted=False,

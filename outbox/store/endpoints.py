@@ -10,17 +10,16 @@ close an endpoint agree on one winner. The claim reads only ``blocked``
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from sqlalchemy import Connection, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from outbox.store.dispatching import DispatchQueries
 from outbox.store.limits import LimitQueries
-from outbox.store.records import Claimed, ClaimPlan, ClaimResult
+from outbox.store.records import ClaimResult, ProbeClaimArgs
 from outbox.store.tables import audit, endpoint_states
 
 #: The audit trail names an endpoint action by this tenant (no operation's tenant can
@@ -158,28 +157,18 @@ class EndpointQueries(LimitQueries, DispatchQueries):
                 ).rowcount
             )
 
-    def claim_probe(
-        self,
-        *,
-        endpoint: str,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_ms: int,
-        plan: Callable[[list[Claimed]], ClaimPlan],
-        server_clock: bool = False,
-        steady_ms: int | None = None,
-    ) -> ClaimResult:
+    def claim_probe(self, *, endpoint: str, **claim: Unpack[ProbeClaimArgs]) -> ClaimResult:
         """Claim the endpoint's oldest due operation (one) and begin its attempt, past
         the block of its circuit: the half-open probe. Only the probe lease's holder.
         ``server_clock``, ``steady_ms``: as :meth:`claim`."""
         with self.write() as conn:
             return self._claim_and_begin_on(
-                conn, owner=owner, token=token, now_ms=now_ms, lease_ms=lease_ms, limit=1,
-                plan=plan, statement=self._probe_claim_statement(),
-                extra={"probe_endpoint": endpoint}, server_clock=server_clock,
-                steady_ms=steady_ms,
-            )  # fmt: skip
+                conn,
+                **claim,
+                limit=1,
+                statement=self._probe_claim_statement(),
+                extra={"probe_endpoint": endpoint},
+            )
 
     def probe_failed(self, name: str, *, owner: str, now_ms: int, next_probe_at: int,
                      reason: str) -> bool:  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import and_, case, delete, func, insert, literal, select, update
 
+from outbox.base.fields import from_row
 from outbox.model import LIVE_STATES, State, state_values
 from outbox.store.base import Store
 from outbox.store.statements import due_at
@@ -278,17 +279,12 @@ def list_dispatchers(store: Store) -> list[DispatcherRow]:
     with store.read() as conn:
         rows = conn.execute(select(d).order_by(d.c.last_seen_at.desc(), d.c.id)).all()
     return [
-        DispatcherRow(
-            id=r.id,
-            host=r.host,
-            pid=r.pid,
-            version=r.version,
-            concurrency=r.concurrency,
-            in_flight=r.in_flight,
+        from_row(
+            DispatcherRow,
+            r,
             started_at_ms=r.started_at,
             last_seen_at_ms=r.last_seen_at,
             stopped_at_ms=r.stopped_at,
-            wake_mode=r.wake_mode,
         )
         for r in rows
     ]

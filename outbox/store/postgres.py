@@ -40,10 +40,10 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from outbox.store.base import Store
 from outbox.store.changes import ChangeSource, PostgresListener, notify_column
+from outbox.store.dispatching import attempt_outcome_params
 from outbox.store.fairness import fair_claim_sql, fair_params
 from outbox.store.marker import COLUMN as MARKER_COLUMN
-from outbox.store.records import AttemptOutcome, StartedAttempt, TxStatus
-from outbox.store.rows import headers_text
+from outbox.store.records import AttemptLease, AttemptOutcome, StartedAttempt, TxStatus
 from outbox.store.statements import (
     CLAIM_VALUES,
     OutcomeShape,
@@ -108,6 +108,11 @@ _ATTEMPT_COLUMNS: dict[str, TypeEngine[Any]] = {
 }  # fmt: skip
 
 
+def _arrays(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The per-row parameters of a batch (one name set) as one array per name."""
+    return {name: [row[name] for row in rows] for name in rows[0]}
+
+
 @functools.cache
 def _outcomes_update(shape: OutcomeShape) -> Any:
     # The fenced UPDATE of one kind of outcome, joined to the batch's rows of that kind.
@@ -159,22 +164,21 @@ class PostgresStore(Store):
     # does; one statement over arrays is executed once, whatever the batch's size.
 
     def _insert_attempts_on(
-        self,
-        conn: Connection,
-        *,
-        owner: str,
-        token: str,
-        now_ms: int,
-        lease_until: int,
-        started: Sequence[StartedAttempt],
+        self, conn: Connection, lease: AttemptLease, started: Sequence[StartedAttempt]
     ) -> None:
         send_binary_lists(conn)
         conn.execute(
             _ATTEMPTS_INSERT,
-            {"b_pk": [s.pk for s in started], "b_number": [s.number for s in started],
-             "b_rid": [s.request_id for s in started], "b_owner": owner, "b_token": token,
-             "b_now": now_ms, "b_until": lease_until},
-        )  # fmt: skip
+            {
+                "b_pk": [s.pk for s in started],
+                "b_number": [s.number for s in started],
+                "b_rid": [s.request_id for s in started],
+                "b_owner": lease.owner,
+                "b_token": lease.token,
+                "b_now": lease.now_ms,
+                "b_until": lease.lease_until,
+            },
+        )
 
     def _write_outcomes_on(
         self, conn: Connection, *, now_ms: int, mine: Sequence[AttemptOutcome]
@@ -190,47 +194,10 @@ class PostgresStore(Store):
         for out in mine:
             groups.setdefault(outcome_shape(out), []).append(out)
         for shape, outs in groups.items():
-            params: dict[str, Any] = {
-                "b_pk": [o.pk for o in outs],
-                "b_token": [o.lease_token for o in outs],
-                "b_state": [o.state.value for o in outs],
-                "b_reason": [o.reason.value if o.reason else None for o in outs],
-                "b_next": [o.next_attempt_at for o in outs],
-                "b_maybe": [o.maybe_delivered for o in outs],
-                "b_refusal": [o.saw_refusal for o in outs],
-                "b_now": now_ms,
-            }
-            results = [o.result for o in outs if o.result is not None]
-            if results:
-                sealed = [
-                    self.sealer.seal_result(o.pk, {"result_headers": headers_text(o.result.headers),
-                                                   "result_body": o.result.body})
-                    for o in outs if o.result is not None
-                ]  # fmt: skip
-                params.update(
-                    b_rstatus=[r.status for r in results],
-                    b_rheaders=[v["result_headers"] for v in sealed],
-                    b_rbody=[v["result_body"] for v in sealed],
-                    b_rsha=[r.sha256 for r in results],
-                    b_rsize=[r.size for r in results],
-                    b_rtrunc=[r.truncated for r in results],
-                )
-            conn.execute(_outcomes_update(shape), params)
-        conn.execute(
-            _ATTEMPTS_UPDATE,
-            {
-                "b_rid": [o.request_id for o in mine],
-                "b_delivery": [o.delivery.value for o in mine],
-                "b_verdict": [o.verdict.value if o.verdict else None for o in mine],
-                "b_counted": [o.counted for o in mine],
-                "b_status": [o.status_code for o in mine],
-                "b_rrid": [o.receiver_request_id for o in mine],
-                "b_eclass": [o.error_class for o in mine],
-                "b_emsg": [o.error_message for o in mine],
-                "b_duration": [o.duration_ms for o in mine],
-                "b_now": now_ms,
-            },
-        )
+            params = _arrays([self._outcome_params(o) for o in outs])
+            conn.execute(_outcomes_update(shape), {**params, "b_now": now_ms})
+        params = _arrays([attempt_outcome_params(o) for o in mine])
+        conn.execute(_ATTEMPTS_UPDATE, {**params, "b_now": now_ms})
 
     def _claim_statement(self) -> Any:
         # "was": the state before the claim, so the recovery UPDATE of open attempts
@@ -247,15 +214,8 @@ class PostgresStore(Store):
                 column("rn", BigInteger),
                 column("pos", BigInteger),
             )
-            .cte("due")
-            .prefix_with("MATERIALIZED")
         )
-        return (
-            update(operations)
-            .where(operations.c.id == due.c.id)
-            .values(CLAIM_VALUES)
-            .returning(*self._CLAIMED_COLUMNS, due.c.rn, due.c.pos, due.c.was)
-        )
+        return self._claim_update(due, "rn", "pos", "was")
 
     @functools.cached_property
     def _probe_claim(self) -> Any:
@@ -265,14 +225,18 @@ class PostgresStore(Store):
             claimable_ids(*claim_limits(), probe=True)
             .add_columns(operations.c.state.label("was"))
             .with_for_update(skip_locked=True, of=operations)
-            .cte("due")
-            .prefix_with("MATERIALIZED")
         )
+        return self._claim_update(due, "was")
+
+    def _claim_update(self, due: Any, *after: str) -> Any:
+        """Claim the rows ``due`` selects (run once, as a MATERIALIZED CTE), returning
+        the claimed columns and then ``due``'s columns named in ``after``."""
+        cte = due.cte("due").prefix_with("MATERIALIZED")
         return (
             update(operations)
-            .where(operations.c.id == due.c.id)
+            .where(operations.c.id == cte.c.id)
             .values(CLAIM_VALUES)
-            .returning(*self._CLAIMED_COLUMNS, due.c.was)
+            .returning(*self._CLAIMED_COLUMNS, *(cte.c[name] for name in after))
         )
 
     def _probe_claim_statement(self) -> Any:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Required, TypedDict
 
 from outbox.model import Delivery, PolicySnapshot, Reason, State, Verdict
 
@@ -66,6 +67,17 @@ class StartedAttempt:
     number: int
     first_attempt_at: int
     window_started_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLease:
+    """What the open attempt rows of one batch share: the dispatcher, the lease token
+    the batch was claimed under, when the attempts start and until when they hold."""
+
+    owner: str
+    token: str
+    now_ms: int
+    lease_until: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +168,30 @@ class ClaimResult:
     started: list[StartedAttempt]
     #: The pks of ``plan.settlements`` that were written.
     settled: set[int]
+
+
+class ProbeClaimArgs(TypedDict, total=False):
+    """The keyword arguments of a claim that begins its attempts, written once
+    (``**kw: Unpack[ProbeClaimArgs]``): those of ``Store.claim_probe`` beside
+    ``endpoint``; with ``limit`` (:class:`BatchClaimArgs`), those of
+    ``Store.claim_and_begin`` and ``Store.record_and_claim`` beside ``outcomes``.
+    ``server_clock`` and ``steady_ms`` (default off) mean what they mean to
+    ``Store.claim``."""
+
+    owner: Required[str]
+    token: Required[str]
+    now_ms: Required[int]
+    lease_ms: Required[int]
+    #: Decides about the claimed rows inside the claim's transaction (pure, no I/O).
+    plan: Required[Callable[[list[Claimed]], ClaimPlan]]
+    server_clock: bool
+    steady_ms: int | None
+
+
+class BatchClaimArgs(ProbeClaimArgs, total=False):
+    """:class:`ProbeClaimArgs` and how many operations a batch claims at most."""
+
+    limit: Required[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from sqlalchemy import (
     Row,
 )
 
+from outbox.base.fields import from_row
 from outbox.canonical import CanonicalArgs
 from outbox.model import (
     Attempt,
@@ -145,20 +146,14 @@ def policy_from_row(r: Row[Any]) -> PolicySnapshot | None:
 
 
 def attempt_from_row(r: Row[Any]) -> Attempt:
-    return Attempt(
-        number=r.number,
-        request_id=r.request_id,
-        dispatcher_id=r.dispatcher_id,
+    return from_row(
+        Attempt,
+        r,
         started_at_ms=r.started_at,
         lease_until_ms=r.lease_until,
         finished_at_ms=r.finished_at,
         delivery=Delivery(r.delivery) if r.delivery else None,
         verdict=Verdict(r.verdict) if r.verdict else None,
-        status_code=r.status_code,
-        receiver_request_id=r.receiver_request_id,
-        error_class=r.error_class,
-        error_message=r.error_message,
-        duration_ms=r.duration_ms,
         counted=bool(r.counted),
     )
 
@@ -225,14 +220,5 @@ def _opened_body(value: str | Sealed | None) -> Any:
 
 
 def audit_from_row(r: Row[Any]) -> AuditRecord:
-    return AuditRecord(
-        tenant=r.tenant,
-        operation_id=r.operation_id,
-        actor=r.actor,
-        action=r.action,
-        from_state=r.from_state,
-        to_state=r.to_state,
-        note=r.note,
-        details=json.loads(r.details) if r.details else None,
-        at_ms=r.at,
-    )
+    details = json.loads(r.details) if r.details else None
+    return from_row(AuditRecord, r, details=details, at_ms=r.at)
