@@ -114,11 +114,14 @@ def test_status_endpoint_list_metrics_and_console_show_the_same_throttle(
     world: Outbox, db_url: str
 ) -> None:
     state = _state(world)
-    assert state.rate == RECEIVER_RATE  # what the 429s said, in the database
+    # What the 429s said, in the database (a dispatcher slowed past a quiet second may
+    # have raised it by one step before it stopped: the views must show what is held).
+    assert state.rate is not None and RECEIVER_RATE <= state.rate <= RECEIVER_RATE + 1
+    rate = state.rate
     expected = {
-        "rate": float(RECEIVER_RATE),  # the lower of the declared 100/s and the throttle
+        "rate": rate,  # the lower of the declared 100/s and the throttle
         "throttled": True,
-        "throttle_rate": float(RECEIVER_RATE),
+        "throttle_rate": rate,
         "rate_limit": DECLARED_RATE,
         "max_in_flight": DECLARED_IN_FLIGHT,
         "rate_changed_at": ms_to_iso(state.rate_changed_at),
@@ -138,11 +141,11 @@ def test_status_endpoint_list_metrics_and_console_show_the_same_throttle(
     # Without the application the declared limits are not known; the fleet's are.
     bare = json.loads(_cli("--db", db_url, "endpoint", "list", "--json"))
     [row] = [r for r in bare if r["endpoint"] == "rx"]
-    assert (row["rate"], row["throttled"], row["registered"]) == (RECEIVER_RATE, True, False)
+    assert (row["rate"], row["throttled"], row["registered"]) == (rate, True, False)
     assert (row["rate_limit"], row["max_in_flight"]) == (None, None)
 
     words = (
-        f"rate {RECEIVER_RATE} req/s, throttled (this rate since {expected['rate_changed_at']}), "
+        f"rate {rate:g} req/s, throttled (this rate since {expected['rate_changed_at']}), "
         f"last refusal {expected['refused_at']}; declared rate_limit 100 req/s, "
         f"max_in_flight {DECLARED_IN_FLIGHT}"
     )
@@ -150,14 +153,14 @@ def test_status_endpoint_list_metrics_and_console_show_the_same_throttle(
     assert words in _cli("--app", APP, "status")
 
     samples = _scrape(world)
-    assert samples[("outbox_endpoint_rate_limit", "rx")] == RECEIVER_RATE
+    assert samples[("outbox_endpoint_rate_limit", "rx")] == rate
     assert samples[("outbox_endpoint_throttled", "rx")] == 1.0
     assert samples[("outbox_endpoint_circuit_state", "rx")] == 0.0
 
     row_html = _console_row(world)
-    assert f'data-rate="{float(RECEIVER_RATE)}"' in row_html
+    assert f'data-rate="{rate}"' in row_html
     assert 'data-throttled="1"' in row_html
-    assert f"{RECEIVER_RATE} req/s" in row_html and "throttled</span>" in row_html
+    assert f"{rate:g} req/s" in row_html and "throttled</span>" in row_html
     assert "declared 100 req/s" in row_html
     assert f"this rate since {when(state.rate_changed_at)}" in row_html
     assert f"last refusal {when(state.refused_at)}" in row_html
