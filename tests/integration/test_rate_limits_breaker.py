@@ -34,10 +34,13 @@ def rx(tmp_path: Path) -> Iterator[RemoteReceiver]:
 
 def _outbox(db_url: str, url: str, **kw: Any) -> Outbox:
     endpoint = Endpoint(
-        name="rx", base_url=url, timeout=5.0, key_retention=timedelta(hours=1),
+        name="rx",
+        base_url=url,
+        timeout=5.0,
+        key_retention=timedelta(hours=1),
         retry=RetryPolicy(max_attempts=3, window=timedelta(seconds=5), wait=wait_fixed(0.2)),
         circuit_breaker=CircuitBreaker(failure_threshold=3, refresh_seconds=0.1),
-    )  # fmt: skip
+    )
     settings = DispatcherSettings(concurrency=16, idle_poll_seconds=0.05)
     return Outbox(db_url, endpoints=[endpoint], dispatcher=settings, **kw)
 

@@ -21,6 +21,7 @@ receiver saw, second by second, from its own request log.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -73,9 +74,7 @@ class RateLimitSpec:
         return cls(float(rate), burst_f, retry_after, headers, status)
 
     def to_spec(self) -> dict[str, Any]:
-        return {"kind": "rate_limit", "rate": self.rate, "burst": self.burst,
-                "retry_after": self.retry_after, "headers": self.headers,
-                "status": self.status}  # fmt: skip
+        return {"kind": "rate_limit", **dataclasses.asdict(self)}
 
 
 class TokenBucket:
