@@ -37,8 +37,8 @@ Metric names (labels in braces):
 * ``outbox_endpoint_throttled{endpoint}``: 1 while the adaptive throttle holds the
   endpoint (429/503 answers taught the fleet a rate), else 0
 
-The last three are read from the same snapshot of ``outbox_endpoints`` as ``outbox
-status`` and the console show (``Figures.endpoint_states`` and ``Figures.limits``).
+The last three come from the snapshot's read of ``outbox_endpoints``, the one ``outbox
+status`` and the console render (``Figures.endpoint_states`` and ``Figures.limits``).
 """
 
 from __future__ import annotations
