@@ -1,15 +1,18 @@
 """``outbox endpoint list|pause|resume``: the fleet's view of each receiver endpoint
-(circuit breaker, pause) and an operator's planned-maintenance switch, audited."""
+(circuit breaker, pause, rate limits and the throttle) and an operator's
+planned-maintenance switch, audited."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 import click
 
 from outbox.cli.root import json_option, main, out
 from outbox.cli.support import Context, command
+from outbox.reconcile.status import endpoint_limits
 from outbox.reconcile.status import endpoint_state_dict as _row
 
 
@@ -21,14 +24,45 @@ def endpoint() -> None:
 @command(endpoint, "list", reads=True)
 @json_option
 def endpoint_list(obj: Context, as_json: bool) -> None:
-    """Each endpoint that ever failed or was paused: circuit, reason, since when."""
-    rows = [_row(s) for s in obj.outbox().store.endpoint_states()]
+    """Each endpoint that ever failed, was paused or limited: circuit, reason, since
+    when; its rate (declared and throttled) and max in flight."""
+    ob = obj.outbox()
+    rows = [
+        _row(s, endpoint_limits(s.name, s, ob.endpoints.get(s.name)))
+        for s in ob.store.endpoint_states()
+    ]
     if as_json:
         click.echo(json.dumps(rows))
         return
     for r in rows:
         state = "paused" if r["paused"] else r["circuit"]
         out.print(f"{r['endpoint']}: {state} since {r['since']} ({r['reason'] or '-'})")
+        out.print(f"  {limits_line(r)}", markup=False)
+
+
+def _per_second(rate: object) -> str:
+    return "-" if not isinstance(rate, int | float) else f"{rate:g} req/s"
+
+
+def limits_line(r: Mapping[str, object]) -> str:
+    """An endpoint's limits in words (:class:`~outbox.reconcile.status.EndpointLimits`
+    as a dict): what ``outbox endpoint list`` and ``outbox status`` print."""
+    rate = f"rate {_per_second(r['rate'])}"
+    if r["rate"] is None and r["registered"]:
+        rate = "rate unlimited"
+    if r["throttled"]:
+        throttle = f"throttled (this rate since {r['rate_changed_at']})"
+    else:
+        throttle = "throttle off" if r["throttle_enabled"] is False else "not throttled"
+    refused = f", last refusal {r['refused_at']}" if r["refused_at"] else ""
+    if r["registered"]:
+        declared = (
+            f"declared rate_limit {_per_second(r['rate_limit'])}, "
+            f"max_in_flight {r['max_in_flight'] if r['max_in_flight'] is not None else '-'}"
+        )
+    else:
+        declared = "declared limits not known here (not registered: use --app)"
+    return f"{rate}, {throttle}{refused}; {declared}"
 
 
 def _set(obj: Context, name: str, *, paused: bool, note: str, operator: str | None,

@@ -150,10 +150,13 @@ def status(
         out.print(key_expiry_line(report.figures))
         if report.watch is not None:
             _render_watch(report.watch)
+        from outbox.cli.endpoints import limits_line
+
         for c in report.as_dict()["endpoint_states"]:
             state = "paused" if c["paused"] else c["circuit"]
             why = c["reason"] or "-"
             out.print(f"endpoint {c['endpoint']}: {state} since {c['since']} ({why})")
+            out.print(f"  {limits_line(c)}", markup=False)
         for problem in report.problems:
             out.print(f"PROBLEM: {problem}")
     if check and report.problems:

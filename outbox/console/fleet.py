@@ -1,7 +1,8 @@
 """The console's endpoints page: each receiver endpoint's fleet state (circuit breaker or
-an operator's pause, since when, why, probes, next probe) as ``outbox endpoint list`` and
-``outbox status`` print it, and the pause/resume switch the CLI's ``outbox endpoint
-pause|resume`` is, audited by the same store call."""
+an operator's pause, since when, why, probes, next probe; its rate limits and the
+throttle) as ``outbox endpoint list`` and ``outbox status`` print it, and the
+pause/resume switch the CLI's ``outbox endpoint pause|resume`` is, audited by the same
+store call."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from outbox.console.app import Console, in_thread
 from outbox.console.auth import Session
 from outbox.errors import ValidationError
 from outbox.reconcile import check_actor, check_note
-from outbox.reconcile.status import EndpointFigures, endpoint_state_dict, figures
+from outbox.reconcile.status import (
+    EndpointFigures,
+    EndpointLimits,
+    endpoint_state_dict,
+    figures,
+)
 
 DONE = {
     "paused": "Paused: nothing of it is claimed or spent until it is resumed.",
@@ -28,8 +34,8 @@ DONE = {
 @dataclass(frozen=True)
 class EndpointRow:
     """One endpoint as the page shows it: its fleet state (``Figures.circuits``), the
-    detail of ``endpoint_state_dict`` when the fleet ever saw it fail or pause, and its
-    live backlog (``Figures.endpoints``)."""
+    detail of ``endpoint_state_dict`` when the fleet ever saw it fail or pause, its
+    live backlog (``Figures.endpoints``) and its limits (``Figures.limits``)."""
 
     name: str
     state: str
@@ -38,6 +44,7 @@ class EndpointRow:
     next_probe_ms: int | None
     backlog: EndpointFigures
     registered: bool
+    limits: EndpointLimits
 
 
 @dataclass(frozen=True)
@@ -61,15 +68,17 @@ def fleet(console: Console) -> Fleet:
     rows = []
     for name in names:
         s = states.get(name)
+        limits = fig.limits.get(name, EndpointLimits(name))
         rows.append(
             EndpointRow(
                 name=name,
                 state=fig.circuits.get(name, "closed"),
-                detail=endpoint_state_dict(s) if s is not None else None,
+                detail=endpoint_state_dict(s, limits) if s is not None else None,
                 since_ms=s.since if s is not None else None,
                 next_probe_ms=s.next_probe_at if s is not None and not s.paused else None,
                 backlog=fig.endpoints.get(name, EndpointFigures()),
                 registered=name in outbox.endpoints,
+                limits=limits,
             )
         )
     return Fleet(rows, now)

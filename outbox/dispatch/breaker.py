@@ -5,8 +5,10 @@ leaves out operations of a blocked endpoint, so while a circuit is open nothing 
 is claimed: no attempt rows, no backoff spent. A dispatcher:
 
 * counts consecutive failures per endpoint (not sent, 5xx, timeouts; a 4xx, 429 or
-  2xx is an answer and resets the count); at the endpoint's ``failure_threshold`` it
-  opens the circuit for every dispatcher (one conditional UPDATE);
+  2xx is an answer and resets the count; a throttling 503 that says how to pace, with
+  ``Retry-After`` or rate-limit fields, is the throttle's and neither); at the
+  endpoint's ``failure_threshold`` it opens the circuit for every dispatcher (one
+  conditional UPDATE);
 * re-reads the states every ``refresh_seconds`` (one small SELECT, not one per
   request), and when a probe is due takes the half-open probe lease (one winner), then
   claims one real due operation of the endpoint past the block and sends it;
@@ -50,11 +52,14 @@ def probe_wait_ms(policy: CircuitBreaker, probes: int, rng: random.Random) -> in
 def is_failure(out: AttemptOutcome) -> bool | None:
     """True for a failure that is not a success (not sent, 5xx, timeout), False for an
     answer of the receiver (2xx, 4xx, 429), None when the attempt says nothing about
-    the receiver (given back before it was tried)."""
+    the receiver being down (given back before it was tried; a rate limiter's refusal,
+    which the throttle follows)."""
     if out.delivery is Delivery.NOT_SENT:
         return None if out.error_class in NOT_TRIED else True
     if out.status_code is None:
         return True  # timeout, connection lost after sending
+    if out.status_code >= 500 and out.rate_limited:
+        return None  # a 503 with Retry-After or rate-limit fields: the throttle's
     return out.status_code >= 500
 
 
@@ -174,7 +179,8 @@ class Breaker:
                 if failed is False:
                     await self._close(endpoint, out)
                 else:
-                    why = "probe not sent" if failed is None else _why(out)
+                    sent = failed is not None or out.rate_limited
+                    why = _why(out) if sent else "probe not sent"
                     await self._reopen(endpoint, endpoint.circuit_breaker, why)
             elif failed:
                 count = failed_now.get(endpoint.name, (0, ""))[0]
@@ -241,5 +247,5 @@ class Breaker:
 
 def _why(out: AttemptOutcome) -> str:
     if out.status_code is not None:
-        return f"status {out.status_code}"
+        return f"status {out.status_code}" + (" (rate limited)" if out.rate_limited else "")
     return f"{out.error_class or out.delivery.value}"

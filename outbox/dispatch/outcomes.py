@@ -187,6 +187,15 @@ def throttles(endpoint: Endpoint, result: AttemptResult) -> bool:
     )
 
 
+def paces(endpoint: Endpoint, result: AttemptResult) -> bool:
+    """Is this a throttling refusal that says how to pace (a ``Retry-After``, or
+    rate-limit fields): a rate limiter at work, not a receiver that is down? A bare
+    503 is not: during an outage it is what a load balancer answers."""
+    cls = result.classification
+    told = cls.retry_after_seconds is not None or cls.rate_hint is not None
+    return told and throttles(endpoint, result)
+
+
 def attempt_outcome(
     work: Work, result: AttemptResult, now_ms: int, *, known_down: bool = False
 ) -> AttemptOutcome:
@@ -250,6 +259,7 @@ def attempt_outcome(
         saw_refusal=refused,
         result=result.result,
         in_progress=in_progress,
+        rate_limited=paces(endpoint, result),
     )
 
 

@@ -31,6 +31,14 @@ Metric names (labels in braces):
 * ``outbox_dispatcher_requests_in_flight``: this process's operations on the wire
 * ``outbox_endpoint_circuit_state{endpoint}``: 0 closed, 1 half open, 2 open, 3 paused
   (endpoints that never failed nor were paused have no sample)
+* ``outbox_endpoint_rate_limit{endpoint}``: the fleet's current rate limit in requests
+  per second, the lower of the declared ``rate_limit`` and the throttle's rate (no
+  sample: nothing limits the endpoint's rate)
+* ``outbox_endpoint_throttled{endpoint}``: 1 while the adaptive throttle holds the
+  endpoint (429/503 answers taught the fleet a rate), else 0
+
+The last three come from the snapshot's read of ``outbox_endpoints``, the one ``outbox
+status`` and the console render (``Figures.endpoint_states`` and ``Figures.limits``).
 """
 
 from __future__ import annotations
@@ -75,7 +83,6 @@ class _Backlog(Collector):
         self._lock = threading.Lock()
         self._snapshot: Figures | None = None
         self._taken_at = -float("inf")
-        self._circuits: dict[str, float] = {}
 
     def snapshot(self) -> Figures | None:
         with self._lock:
@@ -86,10 +93,6 @@ class _Backlog(Collector):
                     self._snapshot = figures(
                         self._outbox, now_ms=self._outbox.clock.now_ms(), settled=False
                     )
-                    self._circuits = {
-                        e.name: _CIRCUIT_VALUES[e.circuit.value] if not e.paused else 3.0
-                        for e in self._outbox.store.endpoint_states()
-                    }
                 except Exception as exc:
                     # Serve the previous snapshot; /readyz tells whether the database answers.
                     logger.warning("metrics_backlog_failed", error=type(exc).__name__,
@@ -140,9 +143,28 @@ class _Backlog(Collector):
             "3 paused).",
             labels=["endpoint"],
         )
-        for name, value in sorted(self._circuits.items()) if snap else ():
-            circuit.add_metric([name], value)
+        for state in snap.endpoint_states if snap else ():
+            value = 3.0 if state.paused else _CIRCUIT_VALUES[state.circuit.value]
+            circuit.add_metric([state.name], value)
         yield circuit
+        rate = GaugeMetricFamily(
+            "outbox_endpoint_rate_limit",
+            "The endpoint's current rate limit (requests per second), fleet-wide: the lower "
+            "of its declared rate_limit and the throttle's rate.",
+            labels=["endpoint"],
+        )
+        throttled = GaugeMetricFamily(
+            "outbox_endpoint_throttled",
+            "Whether the fleet's adaptive throttle holds the endpoint after 429/503 answers "
+            "(a flag: 1 throttled, 0 not).",
+            labels=["endpoint"],
+        )
+        for name, limits in snap.limits.items() if snap else ():
+            if limits.rate is not None:
+                rate.add_metric([name], limits.rate)
+            throttled.add_metric([name], 1.0 if limits.throttled else 0.0)
+        yield rate
+        yield throttled
 
 
 #: EndpointFigures field -> (metric name, HELP text naming the unit)

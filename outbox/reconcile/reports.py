@@ -317,7 +317,10 @@ class StatusReport:
             "keys_near_expiry": self.keys_near_expiry,
             "keys_expired": self.keys_expired,
             "figures": self.figures.as_dict(),
-            "endpoint_states": [endpoint_state_dict(e) for e in self.figures.endpoint_states],
+            "endpoint_states": [
+                endpoint_state_dict(e, self.figures.limits.get(e.name))
+                for e in self.figures.endpoint_states
+            ],
             "problems": self.problems,
             "ok": not self.problems,
         }

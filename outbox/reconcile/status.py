@@ -14,8 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.model import LIVE_STATES, Reason, State, ms_to_iso
 from outbox.store import monitoring
+from outbox.store.limits import effective_rate
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from outbox.config import Endpoint
     from outbox.reconcile.parts import OutboxParts
     from outbox.store.endpoints import EndpointState
 
@@ -81,6 +85,82 @@ class EndpointFigures:
 
 
 @dataclass(frozen=True)
+class EndpointLimits:
+    """One endpoint's rate and in-flight limits as every view shows them (``outbox
+    status``, ``outbox endpoint list``, the console's endpoints page, ``/metrics``):
+    what it declares, known when the endpoint is registered with this outbox, and the
+    fleet's throttle, read from ``outbox_endpoints`` (:func:`endpoint_limits`)."""
+
+    name: str
+    #: Registered with this outbox: its declared limits are known (else they read None).
+    registered: bool = False
+    #: ``Endpoint.rate_limit``, requests per second (None: none declared).
+    rate_limit: float | None = None
+    #: ``Endpoint.max_in_flight`` (None: none declared).
+    max_in_flight: int | None = None
+    #: ``Endpoint.throttle`` is on (None: not known, the endpoint is not registered).
+    throttle_enabled: bool | None = None
+    #: The fleet's throttle while 429/503 answers hold it, requests per second; None:
+    #: not throttled.
+    throttle_rate: float | None = None
+    #: Epoch ms of the throttle's last change (set, cut, raised or lifted).
+    rate_changed_at: int | None = None
+    #: Epoch ms of the last refusal (429/503) that reached the throttle.
+    refused_at: int | None = None
+
+    @property
+    def throttled(self) -> bool:
+        """The adaptive throttle is engaged: the fleet sends at its rate."""
+        return self.throttle_rate is not None
+
+    @property
+    def rate(self) -> float | None:
+        """The fleet's current rate limit, requests per second: the lower of the declared
+        one and the throttle's (the rule the dispatchers keep); None: nothing limits it."""
+        return effective_rate(self.rate_limit, self.throttle_rate)
+
+    def as_dict(self) -> dict[str, object]:
+        """Its fields but ``name`` (times in ISO 8601), ``rate`` and ``throttled``."""
+        fields = dataclasses.asdict(self)
+        del fields["name"]
+        return {
+            **fields,
+            "rate": self.rate,
+            "throttled": self.throttled,
+            "rate_changed_at": ms_to_iso(self.rate_changed_at),
+            "refused_at": ms_to_iso(self.refused_at),
+        }
+
+
+def endpoint_limits(
+    name: str, state: EndpointState | None, endpoint: Endpoint | None
+) -> EndpointLimits:
+    """The limits of endpoint ``name``: its fleet ``state`` (the row of
+    ``store.endpoint_states()``, None when it has none) and its registered ``endpoint``."""
+    return EndpointLimits(
+        name,
+        registered=endpoint is not None,
+        rate_limit=float(endpoint.rate_limit) if endpoint and endpoint.rate_limit else None,
+        max_in_flight=endpoint.max_in_flight if endpoint is not None else None,
+        throttle_enabled=endpoint.throttle is not None if endpoint is not None else None,
+        throttle_rate=state.rate if state is not None else None,
+        rate_changed_at=state.rate_changed_at if state is not None else None,
+        refused_at=state.refused_at if state is not None else None,
+    )
+
+
+def limits_by_endpoint(
+    states: list[EndpointState], endpoints: Mapping[str, Endpoint]
+) -> dict[str, EndpointLimits]:
+    """Every registered endpoint's and every fleet state row's limits, by name."""
+    rows = {s.name: s for s in states}
+    return {
+        name: endpoint_limits(name, rows.get(name), endpoints.get(name))
+        for name in sorted(set(rows) | set(endpoints))
+    }
+
+
+@dataclass(frozen=True)
 class Figures:
     """Every operator figure, computed once (:func:`figures`) and rendered by each view:
     ``outbox status`` and ``status --check``, the console's overview and ``/metrics``.
@@ -113,6 +193,9 @@ class Figures:
     #: The same fleet state in detail, one row per endpoint that ever failed or was
     #: paused (:func:`endpoint_state_dict`): what ``outbox endpoint list`` prints.
     endpoint_states: list[EndpointState] = field(default_factory=list)
+    #: Each endpoint's rate and in-flight limits and the fleet's throttle, from the same
+    #: read (:func:`limits_by_endpoint`): registered endpoints and state rows.
+    limits: dict[str, EndpointLimits] = field(default_factory=dict)
     #: The settled count's limit when more settled operations than it exist (their
     #: counts are then None, not read); None when counted, or not asked for.
     settled_over: int | None = None
@@ -164,6 +247,7 @@ class Figures:
             "endpoints": {name: e.as_dict() for name, e in sorted(self.endpoints.items())},
             "attempts_per_minute": self.attempts_per_minute,
             "circuits": self.circuits,
+            "limits": {name: e.as_dict() for name, e in self.limits.items()},
             "settled_over_limit": self.settled_over,
         }
 
@@ -235,6 +319,7 @@ def figures(
                                                                        since_ms=hour_ago)),
         circuits=_circuits(outbox, states),
         endpoint_states=states,
+        limits=limits_by_endpoint(states, outbox.endpoints),
         settled_over=settled_over,
     )  # fmt: skip
 
@@ -246,13 +331,17 @@ def _circuits(outbox: OutboxParts, states: list[EndpointState]) -> dict[str, str
     return dict(sorted(circuits.items()))
 
 
-def endpoint_state_dict(s: EndpointState) -> dict[str, object]:
-    """One endpoint's fleet state as every view prints it (status, endpoint list)."""
+def endpoint_state_dict(
+    s: EndpointState, limits: EndpointLimits | None = None
+) -> dict[str, object]:
+    """One endpoint's fleet state as every view prints it (status, endpoint list): its
+    circuit, and its ``limits`` (by default those of ``s`` alone, none declared)."""
+    limits = limits if limits is not None else endpoint_limits(s.name, s, None)
     return {
         "endpoint": s.name, "circuit": s.circuit.value, "paused": s.paused,
         "reason": s.reason, "since": ms_to_iso(s.since), "probes": s.probes,
         "next_probe_at": ms_to_iso(s.next_probe_at) if s.next_probe_at else None,
-        "probe_owner": s.probe_owner,
+        "probe_owner": s.probe_owner, **limits.as_dict(),
     }  # fmt: skip
 
 

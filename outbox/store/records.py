@@ -117,6 +117,9 @@ class AttemptOutcome:
     result: StoredResult | None = None
     #: A "still processing" answer: counts towards the in-progress budget.
     in_progress: bool = False
+    #: A throttling refusal that said how to pace (``Retry-After`` or rate-limit fields):
+    #: a rate limiter's answer, for the throttle, never a failure for the breaker.
+    rate_limited: bool = False
 
 
 @dataclass(frozen=True, slots=True)

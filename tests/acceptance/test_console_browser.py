@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,6 +184,17 @@ def test_an_endpoint_is_paused_and_resumed_from_the_endpoints_page(tmp_path: Pat
         row = page.locator("tr[data-endpoint]").first
         name = row.get_attribute("data-endpoint")
         assert row.get_attribute("data-state") == "closed"
+        assert name is not None and row.get_attribute("data-throttled") == "0"
+        # The fleet's throttle, as a dispatcher writes it on a 429 that says 12/s.
+        with Outbox(db_url) as ob:
+            taught = {"initial": 12.0, "said": 12.0, "decrease": 0.8, "min_rate": 1.0}
+            now = int(time.time() * 1000)
+            ob.store.throttle(name, now_ms=now, interval_ms=1000, pause_until_ms=None, **taught)
+        page.reload()
+        row = page.locator(f"tr[data-endpoint='{name}']")
+        assert row.get_attribute("data-throttled") == "1"
+        assert row.get_attribute("data-rate") == "12.0"
+        assert "12 req/s" in row.inner_text() and "throttled" in row.inner_text()
         row.locator("input[name=note]").fill("receiver maintenance window")
         row.locator("button:has-text('Pause')").click()
         page.wait_for_selector(".notice.ok")

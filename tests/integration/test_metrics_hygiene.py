@@ -18,6 +18,7 @@ ENDPOINT_GAUGES = (
     "outbox_operations_near_key_expiry",
     "outbox_operations_key_expired",
     "outbox_unsendable_operations",
+    "outbox_endpoint_throttled",
 )
 
 
@@ -54,6 +55,8 @@ def test_help_text_names_the_unit(tmp_path: Path) -> None:
         unit = (
             "Seconds" if family.name.endswith("_seconds")
             else "(a state code" if family.name.endswith("_state")
+            else "(requests per second)" if family.name.endswith("_rate_limit")
+            else "(a flag" if family.name.endswith("_throttled")
             else "(a count)"
         )  # fmt: skip
         assert unit in words, f"{family.name}: {words!r}"

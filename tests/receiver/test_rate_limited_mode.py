@@ -51,6 +51,22 @@ def test_the_x_ratelimit_fields_and_bad_settings() -> None:
                 rx.faults.rate_limit(**bad)  # type: ignore[arg-type]
 
 
+def test_it_may_refuse_with_503_as_some_load_balancers_do(tmp_path: Path) -> None:
+    with RemoteReceiver.spawn(tmp_path / "rx.sqlite3") as rx:
+        rx.faults.rate_limit(3, burst=3, status=503, headers="x-ratelimit")
+        with httpx.Client(base_url=rx.url, timeout=5) as client:
+            answers = _post(client, 8)
+        codes = Counter(a.status_code for a in answers)
+        assert codes[201] >= 3 and codes[503] >= 1 and set(codes) == {201, 503}
+        refused = next(a for a in answers if a.status_code == 503)
+        assert refused.headers["Retry-After"] == "1"
+        assert refused.headers["X-RateLimit-Limit"] == "3"
+        assert rx.effect_count() == codes[201]
+        assert Counter(r.outcome for r in rx.requests())["rate_limited"] == codes[503]
+        with pytest.raises(ValueError):
+            rx.faults.rate_limit(3, status=500)
+
+
 def test_a_spawned_receiver_takes_it_through_its_admin_routes(tmp_path: Path) -> None:
     with RemoteReceiver.spawn(tmp_path / "rx.sqlite3") as rx:
         rx.faults.rate_limit(3, burst=3)

@@ -12,7 +12,7 @@ from types import FrameType
 from outbox.testing.receiver.dialects import DIALECTS
 from outbox.testing.receiver.faults import RandomFaults
 from outbox.testing.receiver.inprocess import SYNC_LEVELS, Receiver
-from outbox.testing.receiver.ratelimit import HEADER_STYLES, RateLimitSpec
+from outbox.testing.receiver.ratelimit import HEADER_STYLES, REFUSAL_STATUSES, RateLimitSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,6 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rate-limit-retry-after", default="1", help="Retry-After of a 429 ('' sends none)"
     )
+    parser.add_argument(
+        "--rate-limit-status",
+        type=int,
+        default=429,
+        choices=REFUSAL_STATUSES,
+        help="the status of a refusal beyond the rate (429, or 503)",
+    )
     args = parser.parse_args(argv)
     limit = None
     if args.rate_limit is not None:
@@ -69,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.rate_limit_burst,
                 args.rate_limit_retry_after or None,
                 args.rate_limit_headers,
+                args.rate_limit_status,
             )
         except ValueError as exc:
             parser.error(str(exc))

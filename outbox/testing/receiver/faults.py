@@ -224,13 +224,15 @@ class Faults:
         burst: float | None = None,
         retry_after: str | None = "1",
         headers: str = "none",
+        status: int = 429,
     ) -> None:
         """Admit ``rate`` requests per second, whatever their key (a token bucket of
-        ``burst`` tokens, one second's worth by default); answer the others 429 with
-        ``Retry-After`` before any work. ``headers``: ``"none"``, ``"ietf"``
-        (``RateLimit``/``RateLimit-Policy``) or ``"x-ratelimit"`` (``X-RateLimit-*``).
-        Replaces an earlier rate limit; :meth:`clear` removes it."""
-        spec = RateLimitSpec(rate, burst, retry_after, headers)
+        ``burst`` tokens, one second's worth by default); answer the others ``status``
+        (429, or 503 as some load balancers do) with ``Retry-After`` before any work.
+        ``headers``: ``"none"``, ``"ietf"`` (``RateLimit``/``RateLimit-Policy``) or
+        ``"x-ratelimit"`` (``X-RateLimit-*``). Replaces an earlier rate limit;
+        :meth:`clear` removes it."""
+        spec = RateLimitSpec(rate, burst, retry_after, headers, status)
         self._submit(spec.to_spec())
 
     def clear(self) -> None:
@@ -347,10 +349,12 @@ class FaultPlan:
                 rules.append(self.bucket.spec.to_spec())
             return rules
 
-    def admit(self) -> tuple[tuple[str, str], ...] | None:
-        """None if the rate limit (if any) admits a request now; else its 429 headers."""
+    def admit(self) -> tuple[int, tuple[tuple[str, str], ...]] | None:
+        """None if the rate limit (if any) admits a request now; else the status and
+        headers of its refusal."""
         bucket = self.bucket
-        return None if bucket is None else bucket.admit()
+        headers = None if bucket is None else bucket.admit()
+        return None if bucket is None or headers is None else (bucket.spec.status, headers)
 
     def take(
         self, kinds: frozenset[str], path: str, key: str | None, *, replay: bool = False

@@ -1,11 +1,12 @@
 """The receiver's rate limit: a token bucket shared by every request of the receiver.
 
 A receiver in this mode admits ``rate`` requests per second (with bursts of up to
-``burst``, one second's worth by default) and answers the rest ``429`` with
-``Retry-After`` before any work, as API gateways do. It may also say how it limits:
+``burst``, one second's worth by default) and answers the rest ``429`` (or ``503``, as
+some load balancers do) with ``Retry-After`` before any work, as API gateways do. It may
+also say how it limits:
 
 ==================  ===============================================================
-``headers``         what a 429 carries besides ``Retry-After``
+``headers``         what a refusal carries besides ``Retry-After``
 ==================  ===============================================================
 ``none``            nothing more (the receiver that only says "come back later")
 ``ietf``            ``RateLimit-Policy: "default";q=R;w=1`` and
@@ -20,6 +21,7 @@ receiver saw, second by second, from its own request log.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 HEADER_STYLES = ("none", "ietf", "x-ratelimit")
+#: The statuses a rate-limited receiver may refuse with.
+REFUSAL_STATUSES = (429, 503)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,8 @@ class RateLimitSpec:
     burst: float | None = None
     retry_after: str | None = "1"
     headers: str = "none"
+    #: The status of a refusal: 429, or 503 (a rate limiter that answers "unavailable").
+    status: int = 429
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.rate) or self.rate <= 0:
@@ -46,6 +52,8 @@ class RateLimitSpec:
             raise ValueError("rate_limit: burst must be >= 1")
         if self.headers not in HEADER_STYLES:
             raise ValueError(f"rate_limit: headers must be one of {HEADER_STYLES}")
+        if self.status not in REFUSAL_STATUSES:
+            raise ValueError(f"rate_limit: status must be one of {REFUSAL_STATUSES}")
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> RateLimitSpec:
@@ -59,11 +67,14 @@ class RateLimitSpec:
             raise ValueError("rate_limit: retry_after must be a string")
         if not isinstance(headers, str):
             raise ValueError("rate_limit: headers must be a string")
-        return cls(float(rate), None if burst is None else float(burst), retry_after, headers)
+        status = spec.get("status", 429)
+        if not isinstance(status, int) or isinstance(status, bool):
+            raise ValueError("rate_limit: status must be an integer")
+        burst_f = None if burst is None else float(burst)
+        return cls(float(rate), burst_f, retry_after, headers, status)
 
     def to_spec(self) -> dict[str, Any]:
-        return {"kind": "rate_limit", "rate": self.rate, "burst": self.burst,
-                "retry_after": self.retry_after, "headers": self.headers}  # fmt: skip
+        return {"kind": "rate_limit", **dataclasses.asdict(self)}
 
 
 class TokenBucket:
@@ -78,7 +89,7 @@ class TokenBucket:
         self._lock = threading.Lock()
 
     def admit(self) -> tuple[tuple[str, str], ...] | None:
-        """None when the request is admitted; else the headers of its 429."""
+        """None when the request is admitted; else the headers of its refusal."""
         with self._lock:
             now = self._clock()
             self._tokens = min(self._capacity, self._tokens + (now - self._at) * self.spec.rate)
@@ -105,4 +116,4 @@ def refusal_headers(spec: RateLimitSpec, reset_seconds: float) -> tuple[tuple[st
     return tuple(headers)
 
 
-__all__ = ["HEADER_STYLES", "RateLimitSpec", "TokenBucket", "refusal_headers"]
+__all__ = ["HEADER_STYLES", "REFUSAL_STATUSES", "RateLimitSpec", "TokenBucket", "refusal_headers"]

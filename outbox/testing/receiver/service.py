@@ -212,9 +212,10 @@ class Service:
     def _operation(self, req: _Incoming, base: _Headers) -> Reply:
         limited = self.plan.admit()
         if limited is not None:  # the rate limit: refused before any work
-            self._log_only(req, "rate_limited", 429)
+            status, headers = limited
+            self._log_only(req, "rate_limited", status)
             body = {"error": "rate_limited", "detail": "too many requests"}
-            return Reply(429, json_bytes(body), (*base, *limited))
+            return Reply(status, json_bytes(body), (*base, *headers))
         early = self.plan.take(frozenset({"fail_before_work"}), req.target, req.key)
         if early is not None:
             self._log_only(req, "fault:fail_before_work", early.status)
