@@ -317,6 +317,8 @@ OPERATION_KEYS = {
     "ordering_key",
     "priority",
     "not_before",
+    "deliver_within_ms",  # the operation's own business deadline, or None
+    "deliver_by",
     "attempts_counted",
     "attempts_total",
     "attempts_in_progress",
