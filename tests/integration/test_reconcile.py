@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -41,6 +42,7 @@ from tests.integration._reconcile_states import (
     EVERY,
     LOST,
     OK,
+    OPERATION_KEYS,
     REPORT_KEYS,
     RETENTION,
     STATUS_KEYS,
@@ -51,7 +53,6 @@ from tests.integration._reconcile_states import (
 )
 
 DAY = 86_400.0
-
 
 
 class World(S.World):
@@ -767,3 +768,11 @@ def test_purge_removes_old_terminal_operations_only(world: World) -> None:
     world.clock.advance(5)
     world.rec.purge(older_than=timedelta(seconds=1))
     assert S.state_counts(engine) == {"unresolved": 2, "in_flight": 1, "pending": 1}
+
+
+def test_the_documented_show_fields_are_the_reports_fields() -> None:
+    """The guide's "JSON shapes (stable)" list is the report's keys, no more, no fewer."""
+    guide = Path(__file__).resolve().parents[2] / "docs/guide/command-line-and-console.md"
+    text = " ".join(guide.read_text().split())
+    listed = text.split("give the operation's fields (", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"`(\w+)`", listed)) == OPERATION_KEYS
