@@ -43,6 +43,9 @@ from outbox.testing.receiver import RemoteReceiver
 CASES = {
     # name: (db, dispatchers, declared rate_limit?)
     "sqlite-1-none": ("sqlite", 1, False),
+    # A load balancer that rate limits with 503 + Retry-After instead of 429: the
+    # throttle paces it and the circuit breaker must not open on its refusals.
+    "sqlite-1-none-503": ("sqlite", 1, False),
     "sqlite-1-declared": ("sqlite", 1, True),
     "postgresql-3-none": ("postgresql", 3, False),
     "postgresql-3-declared": ("postgresql", 3, True),
@@ -130,7 +133,7 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         with RemoteReceiver.spawn(work / "rx.sqlite3", synchronous="OFF") as rx:
-            rx.faults.rate_limit(rate, retry_after="1")
+            rx.faults.rate_limit(rate, retry_after="1", status=503 if "503" in name else 429)
             with database("sqlite" if db == "sqlite" else "postgres", work, "rl") as url:
                 ob = _outbox(url, rx.url, rate_limit, concurrency)
                 try:
@@ -156,6 +159,10 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
                                 p.wait(timeout=60)
                     wall = time.monotonic() - started
                     unresolved = len(ob.reconcile.unresolved(limit=ops))
+                    # Did the circuit ever open? A row that never changed has no reason;
+                    # opening and closing both write one.
+                    states = ob.reconcile.status().figures.endpoint_states
+                    opened = [e.name for e in states if e.reason is not None]
                 finally:
                     ob.close()
             requests = rx.requests()
@@ -169,6 +176,7 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
         "ops": ops, "receiver_rate": rate, "requests": len(requests),
         "requests_per_op": round(len(requests) / ops, 3),
         "refused": sum(1 for r in requests if r.outcome == "rate_limited"),
+        "circuit_opened": bool(opened),
         "applied": len(applied), "unresolved": unresolved,
         "drain_s": round(drain, 2), "ideal_s": round(ideal, 2),
         "drain_vs_ideal": round(drain / ideal, 3), "wall_s": round(wall, 2),
