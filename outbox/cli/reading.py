@@ -52,30 +52,32 @@ def migrate(obj: Context) -> None:
 # -- reading ----------------------------------------------------------------------------
 
 
+#: The thresholds ``status --check`` holds the outbox to: (flag, type, default, what it
+#: allows), in help order. Without --check they are not passed on.
+_CHECK_THRESHOLDS = (
+    ("--max-unresolved", click.IntRange(0), 0, "reconciliation backlog allowed."),
+    ("--max-pending-age", DURATION, "1h", "age of the oldest pending operation allowed."),
+    (
+        "--max-near-expiry",
+        click.IntRange(0),
+        0,
+        "live operations allowed within an hour of key expiry.",
+    ),
+)
+
+
+def _check_thresholds(fn: Any) -> Any:
+    for flag, kind, default, allowed in reversed(_CHECK_THRESHOLDS):
+        fn = click.option(
+            flag, type=kind, default=default, show_default=True, help=f"With --check: {allowed}"
+        )(fn)
+    return fn
+
+
 @command(main, reads=True)
 @json_option
 @click.option("--check", is_flag=True, help="Exit 1 if a threshold below is exceeded.")
-@click.option(
-    "--max-unresolved",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="With --check: reconciliation backlog allowed.",
-)
-@click.option(
-    "--max-pending-age",
-    type=DURATION,
-    default="1h",
-    show_default=True,
-    help="With --check: age of the oldest pending operation allowed.",
-)
-@click.option(
-    "--max-near-expiry",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="With --check: live operations allowed within an hour of key expiry.",
-)
+@_check_thresholds
 @click.option(
     "--dispatcher-timeout",
     type=DURATION,
