@@ -100,13 +100,6 @@ class Intent:
     files: Any = None
     deliver_within: timedelta | None = None
 
-    def body(self) -> Body:
-        return Body(
-            json=self.json, data=self.data, content=self.content,
-            content_type=self.content_type, params=self.params,
-            form_style=self.form_style, files=self.files,
-        )  # fmt: skip
-
 
 class EnqueueArgs(TypedDict, total=False):
     """The keyword arguments of :meth:`outbox.Outbox.enqueue` (beside ``connection``),
@@ -140,19 +133,6 @@ class Checked:
     tenant: str
     ordering_key: str | None
     args: CanonicalArgs
-
-
-@dataclass(frozen=True, slots=True)
-class Body:
-    """The body and query arguments of an enqueue, as httpx names them."""
-
-    json: Any = None
-    data: Any = None
-    content: bytes | None = None
-    content_type: str | None = None
-    params: Any = None
-    form_style: str = "flat"
-    files: Any = None
 
 
 #: ``priority`` is stored in a 32-bit column.
@@ -347,33 +327,35 @@ def canonical_json_text(text: str | bytes) -> str | None:
         return None
 
 
-def _raw_body(body: Body, headers: dict[str, str], secret_headers: Iterable[str]) -> bytes | None:
+def _raw_body(
+    intent: Intent, headers: dict[str, str], secret_headers: Iterable[str]
+) -> bytes | None:
     """The encoded bytes of a ``data=`` or ``content=`` body; its content type goes into
     ``headers`` (stored, sent and fingerprinted with them)."""
-    given = [name for name, v in (("json", body.json), ("data", body.data),
-                                  ("content", body.content)) if v is not None]  # fmt: skip
+    given = [name for name, v in (("json", intent.json), ("data", intent.data),
+                                    ("content", intent.content)) if v is not None]  # fmt: skip
     if len(given) > 1:
         raise ValidationError(f"give at most one body: json=, data= or content= (got {given})")
-    if body.content_type is not None and body.content is None:
+    if intent.content_type is not None and intent.content is None:
         raise ValidationError("content_type= goes with content= (json= and data= set their own)")
     declared = headers.get("content-type")
-    if body.data is not None:
-        pairs, raw = encode_form(body.data, form_style=body.form_style)
+    if intent.data is not None:
+        pairs, raw = encode_form(intent.data, form_style=intent.form_style)
         check_secret_pairs(pairs, "form field", secret_headers)
         if declared is not None and declared.split(";")[0].strip().lower() != FORM_CONTENT_TYPE:
             raise ValidationError(f"data= is sent as {FORM_CONTENT_TYPE}, not {declared!r}")
         headers.setdefault("content-type", FORM_CONTENT_TYPE)
         return raw
-    if body.content is None:
+    if intent.content is None:
         return None
-    if not isinstance(body.content, bytes | bytearray | memoryview):
-        raise ValidationError(f"content= must be bytes, got {type(body.content).__name__}")
-    if body.content_type is None:
+    if not isinstance(intent.content, bytes | bytearray | memoryview):
+        raise ValidationError(f"content= must be bytes, got {type(intent.content).__name__}")
+    if intent.content_type is None:
         raise ValidationError("content= needs an explicit content_type= (say 'application/xml')")
     if declared is not None:
         raise ValidationError("give the content type once: content_type=, not a header")
-    headers["content-type"] = check_content_type(body.content_type)
-    return bytes(body.content)
+    headers["content-type"] = check_content_type(intent.content_type)
+    return bytes(intent.content)
 
 
 def canonicalize(
@@ -385,39 +367,43 @@ def canonicalize(
     headers: Mapping[str, str] | None,
     max_body_bytes: int,
     secret_headers: Iterable[str] = (),
-    body: Body | None = None,
 ) -> CanonicalArgs:
-    """Validate enqueue arguments and return their canonical, comparable form.
+    """:func:`canonical_args` of a request with a JSON body (or none)."""
+    intent = Intent(endpoint, method, path, json_body, headers)
+    return canonical_args(intent, max_body_bytes=max_body_bytes, secret_headers=secret_headers)
 
-    ``body`` carries the other body forms and the query (``json_body`` is the JSON one,
-    kept for its callers); at most one body form is given."""
-    body = Body(json=json_body) if body is None else body
-    if body.files is not None:
+
+def canonical_args(
+    intent: Intent, *, max_body_bytes: int, secret_headers: Iterable[str] = ()
+) -> CanonicalArgs:
+    """Validate an intent's request arguments (endpoint, method, path, headers, at most
+    one body form, the query) and return their canonical, comparable form."""
+    if intent.files is not None:
         raise_multipart()
-    checked_method = _check_method(method)
-    checked_path = _check_path(path)
-    checked_headers = _check_headers(headers, secret_headers)
-    if body.params is not None:
-        _, query = encode_query(body.params)
+    checked_method = _check_method(intent.method)
+    checked_path = _check_path(intent.path)
+    checked_headers = _check_headers(intent.headers, secret_headers)
+    if intent.params is not None:
+        _, query = encode_query(intent.params)
         checked_path = append_query(checked_path, query)
     if "?" in checked_path:
         query_pairs = parse_qsl(checked_path.split("?", 1)[1], keep_blank_values=True)
         check_secret_pairs(query_pairs, "query parameter", secret_headers)
-    body_raw = _raw_body(body, checked_headers, secret_headers)
+    body_raw = _raw_body(intent, checked_headers, secret_headers)
     checked_headers = dict(sorted(checked_headers.items()))
     if body_raw is not None and len(body_raw) > max_body_bytes:
         raise ValidationError(f"body is {len(body_raw)} bytes, over the limit of {max_body_bytes}")
     body_json: str | None = None
-    if body.json is not None:
-        _depth(body.json, MAX_JSON_DEPTH)
-        body_json = canonical_json(body.json)
+    if intent.json is not None:
+        _depth(intent.json, MAX_JSON_DEPTH)
+        body_json = canonical_json(intent.json)
         if not _encodable(body_json):
             raise ValidationError("json body contains a lone surrogate, which cannot be sent")
         size = len(body_json.encode("utf-8"))
         if size > max_body_bytes:
             raise ValidationError(f"json body is {size} bytes, over the limit of {max_body_bytes}")
     fields: dict[str, Any] = {
-        "endpoint": endpoint,
+        "endpoint": intent.endpoint,
         "method": checked_method,
         "path": checked_path,
         "headers": checked_headers,
@@ -427,7 +413,7 @@ def canonicalize(
         fields["raw_sha256"] = hashlib.sha256(body_raw).hexdigest()
     identity = canonical_json(fields)
     return CanonicalArgs(
-        endpoint=endpoint,
+        endpoint=intent.endpoint,
         method=checked_method,
         path=checked_path,
         headers=checked_headers,

@@ -24,7 +24,7 @@ from outbox.canonical import (
     DEFAULT_MAX_BODY_BYTES,
     Checked,
     Intent,
-    canonicalize,
+    canonical_args,
     check_operation_id,
     check_ordering_key,
     check_tenant,
@@ -314,15 +314,8 @@ class Outbox(AsyncMethods, TransactionMethods, ObservabilityMethods):
         problem = self._endpoints[intent.endpoint].tenant_problem(tenant, op_id)
         if problem is not None:
             raise ValidationError(problem)
-        args = canonicalize(
-            endpoint=intent.endpoint,
-            method=intent.method,
-            path=intent.path,
-            json_body=intent.json,
-            headers=intent.headers,
-            max_body_bytes=self.max_body_bytes,
-            secret_headers=self.secret_headers,
-            body=intent.body(),
+        args = canonical_args(
+            intent, max_body_bytes=self.max_body_bytes, secret_headers=self.secret_headers
         )
         if args.body_raw is not None and looks_sealed(args.body_raw):
             raise ValidationError(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from outbox.canonical import Body, canonical_json, canonical_json_text, canonicalize
+from outbox.canonical import Intent, canonical_args, canonical_json, canonical_json_text
 from outbox.classify import REPLAY_HEADERS
 from outbox.errors import ValidationError
 from outbox.forms import FORM_CONTENT_TYPE, encode_form, encode_pairs
@@ -190,17 +190,17 @@ def probe_body(
             "give the probe exactly one body: a JSON body, form fields (data) or raw "
             f"content with its content type (got {given or 'none'})"
         )
-    args = canonicalize(
-        endpoint=endpoint,
-        method=method,
-        path=path,
-        json_body=json_body,
-        headers=None,
-        max_body_bytes=_MAX_BODY,
-        secret_headers=secret_headers,
-        body=Body(json=json_body, data=data, content=content, content_type=content_type,
-                  form_style=form_style),
-    )  # fmt: skip
+    intent = Intent(
+        endpoint,
+        method,
+        path,
+        json_body,
+        data=data,
+        content=content,
+        content_type=content_type,
+        form_style=form_style,
+    )
+    args = canonical_args(intent, max_body_bytes=_MAX_BODY, secret_headers=secret_headers)
     if json_body is not None:
         changed, how = changed_payload(json_body)
         assert args.body_json is not None

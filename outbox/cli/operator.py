@@ -18,6 +18,7 @@ from outbox.cli.support import (
     EXIT_REFUSED,
     EXIT_USAGE,
     Context,
+    Page,
     command,
     fail,
     page_options,
@@ -78,8 +79,7 @@ def reconcile_list(
     reason: str | None,
     older_than: timedelta | None,
     newer_than: timedelta | None,
-    limit: int,
-    offset: int,
+    page: Page,
     as_json: bool,
 ) -> None:
     """Unresolved operations, oldest first, and how many match in all."""
@@ -93,11 +93,10 @@ def reconcile_list(
         "older_than": older_than,
         "newer_than": newer_than,
     }
-    ops = rec.unresolved(**filters, limit=limit, offset=offset)
+    ops = rec.unresolved(**filters, limit=page.limit, offset=page.offset)
     total = rec.count(**filters)
     if as_json:
-        operations = [operation_dict(op) for op in ops]
-        _emit_json({"total": total, "limit": limit, "offset": offset, "operations": operations})
+        _emit_json(page.as_json(total, "operations", [operation_dict(op) for op in ops]))
         return
     from rich.table import Table
 
@@ -114,10 +113,10 @@ def reconcile_list(
             operation_dict(op)["updated_at"],
         )
     out.print(table)
-    if offset + len(ops) < total:
-        more = [*_filter_words(**filters), "--limit", str(limit)]
-        more += ["--offset", str(offset + len(ops))]
-        out.print(f"more: {obj.command_hint('reconcile', 'list', *more)}", markup=False)
+    more = page.next_words(len(ops), total)
+    if more is not None:
+        hint = obj.command_hint("reconcile", "list", *_filter_words(**filters), *more)
+        out.print(f"more: {hint}", markup=False)
     if ops:
         first = ops[0]
         tenant_words = ["--tenant", first.tenant] if first.tenant else []

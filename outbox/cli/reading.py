@@ -14,6 +14,7 @@ from outbox.cli.support import (
     DURATION,
     EXIT_REFUSED,
     Context,
+    Page,
     command,
     page_options,
 )
@@ -52,30 +53,32 @@ def migrate(obj: Context) -> None:
 # -- reading ----------------------------------------------------------------------------
 
 
+#: The thresholds ``status --check`` holds the outbox to: (flag, type, default, what it
+#: allows), in help order. Without --check they are not passed on.
+_CHECK_THRESHOLDS = (
+    ("--max-unresolved", click.IntRange(0), 0, "reconciliation backlog allowed."),
+    ("--max-pending-age", DURATION, "1h", "age of the oldest pending operation allowed."),
+    (
+        "--max-near-expiry",
+        click.IntRange(0),
+        0,
+        "live operations allowed within an hour of key expiry.",
+    ),
+)
+
+
+def _check_thresholds(fn: Any) -> Any:
+    for flag, kind, default, allowed in reversed(_CHECK_THRESHOLDS):
+        fn = click.option(
+            flag, type=kind, default=default, show_default=True, help=f"With --check: {allowed}"
+        )(fn)
+    return fn
+
+
 @command(main, reads=True)
 @json_option
 @click.option("--check", is_flag=True, help="Exit 1 if a threshold below is exceeded.")
-@click.option(
-    "--max-unresolved",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="With --check: reconciliation backlog allowed.",
-)
-@click.option(
-    "--max-pending-age",
-    type=DURATION,
-    default="1h",
-    show_default=True,
-    help="With --check: age of the oldest pending operation allowed.",
-)
-@click.option(
-    "--max-near-expiry",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="With --check: live operations allowed within an hour of key expiry.",
-)
+@_check_thresholds
 @click.option(
     "--dispatcher-timeout",
     type=DURATION,
@@ -358,8 +361,7 @@ def audit(
     operation_id: str | None,
     older_than: timedelta | None,
     newer_than: timedelta | None,
-    limit: int,
-    offset: int,
+    page: Page,
     as_json: bool,
 ) -> None:
     """The audit trail of operator actions, newest first, and how many match in all."""
@@ -368,23 +370,23 @@ def audit(
 
     ob = obj.outbox()
     now_ms = ob.clock.now_ms()
-    page = Browser(ob).audit_log(
+    log = Browser(ob).audit_log(
         actor=actor,
         operation_id=operation_id,
         until_ms=None if older_than is None else now_ms - _ms(older_than) + 1,
         since_ms=None if newer_than is None else now_ms - _ms(newer_than),
-        limit=limit,
-        offset=offset,
+        limit=page.limit,
+        offset=page.offset,
     )
     entries = [
-        {"tenant": r.tenant, "operation_id": r.operation_id, **audit_dict(r)} for r in page.items
+        {"tenant": r.tenant, "operation_id": r.operation_id, **audit_dict(r)} for r in log.items
     ]
     if as_json:
-        _emit_json({"total": page.total, "limit": limit, "offset": offset, "entries": entries})
+        _emit_json(page.as_json(log.total, "entries", entries))
         return
     from rich.table import Table
 
-    table = Table(title=f"audit ({len(entries)} shown of {page.total} matching)")
+    table = Table(title=f"audit ({len(entries)} shown of {log.total} matching)")
     for column in ("at", "actor", "action", "operation id", "tenant", "from", "to", "note"):
         table.add_column(column)
     for e in entries:
@@ -399,14 +401,12 @@ def audit(
             e["note"] or "",
         )
     out.print(table)
-    if offset + len(entries) < page.total:
-        more = [
-            *_filter_words(
-                actor=actor, operation=operation_id, older_than=older_than, newer_than=newer_than
-            ),
-            *("--limit", str(limit), "--offset", str(offset + len(entries))),
-        ]
-        out.print(f"more: {obj.command_hint('audit', *more)}", markup=False)
+    more = page.next_words(len(entries), log.total)
+    if more is not None:
+        filters = _filter_words(
+            actor=actor, operation=operation_id, older_than=older_than, newer_than=newer_than
+        )
+        out.print(f"more: {obj.command_hint('audit', *filters, *more)}", markup=False)
 
 
 def _ms(duration: timedelta) -> int:

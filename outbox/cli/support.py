@@ -27,8 +27,9 @@ import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, TypeVar, cast
 
 import click
 
@@ -274,13 +275,39 @@ def _setter(field: str) -> Callable[[click.Context, click.Parameter, Any], None]
     return store
 
 
+@dataclass(frozen=True, slots=True)
+class Page:
+    """The page of a listing its ``--limit`` and ``--offset`` ask for (:func:`page_options`),
+    and what every listing prints of it."""
+
+    limit: int
+    offset: int
+
+    def as_json(self, total: int, name: str, items: list[Any]) -> dict[str, Any]:
+        """A listing's JSON: how many match in all, this page, and its ``items``."""
+        return {"total": total, "limit": self.limit, "offset": self.offset, name: items}
+
+    def next_words(self, shown: int, total: int) -> list[str] | None:
+        """The ``--limit`` and ``--offset`` words of the next page after ``shown`` items
+        of ``total``; None when this page is the last."""
+        if self.offset + shown >= total:
+            return None
+        return ["--limit", str(self.limit), "--offset", str(self.offset + shown)]
+
+
 def page_options(most: int) -> Callable[[F], F]:
-    """``--limit`` (1 to ``most``, 50 by default) and ``--offset``: a page of a listing."""
+    """``--limit`` (1 to ``most``, 50 by default) and ``--offset``: a page of a listing,
+    which the command is given as ``page``."""
 
     def decorate(fn: F) -> F:
-        fn = click.option("--offset", type=click.IntRange(0), default=0, show_default=True)(fn)
+        @functools.wraps(fn)
+        def paged(*args: Any, limit: int, offset: int, **kwargs: Any) -> Any:
+            return fn(*args, page=Page(limit, offset), **kwargs)
+
+        options = click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
         limit = click.IntRange(1, most)
-        return click.option("--limit", type=limit, default=50, show_default=True)(fn)
+        paged = options(paged)
+        return cast(F, click.option("--limit", type=limit, default=50, show_default=True)(paged))
 
     return decorate
 
