@@ -65,38 +65,37 @@ def limits_line(r: Mapping[str, object]) -> str:
     return f"{rate}, {throttle}{refused}; {declared}"
 
 
-def _set(obj: Context, name: str, *, paused: bool, note: str, operator: str | None,
-         as_json: bool) -> None:  # fmt: skip
-    from outbox.reconcile.actions import default_operator
+def _switch(paused: bool, verb: str, doc: str) -> None:
+    """``outbox endpoint VERB NAME --note ...``: pause or resume, audited."""
 
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
-        raise click.BadParameter(f"{name!r} is not an endpoint name (1-64 of [A-Za-z0-9._-])")
-    ob = obj.outbox()
-    state = ob.store.set_paused(name, paused=paused, now_ms=ob.clock.now_ms(),
-                                actor=operator or default_operator(), note=note)  # fmt: skip
-    if as_json:
-        click.echo(json.dumps(_row(state)))
-    else:
-        out.print(f"{'paused' if paused else 'resumed'} {name} (circuit {state.circuit.value})")
+    def switch(obj: Context, name: str, note: str, operator: str | None, as_json: bool) -> None:
+        from outbox.reconcile.actions import default_operator
+
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+            raise click.BadParameter(f"{name!r} is not an endpoint name (1-64 of [A-Za-z0-9._-])")
+        ob = obj.outbox()
+        actor = operator or default_operator()
+        state = ob.store.set_paused(
+            name, paused=paused, now_ms=ob.clock.now_ms(), actor=actor, note=note
+        )
+        if as_json:
+            click.echo(json.dumps(_row(state)))
+        else:
+            out.print(f"{'paused' if paused else 'resumed'} {name} (circuit {state.circuit.value})")
+
+    switch.__name__ = f"endpoint_{verb}"
+    switch.__doc__ = doc
+    options = (
+        click.argument("name"),
+        click.option("--note", required=True, help="Why, for the audit trail."),
+        click.option("--operator", default=None, help="Your name (default: the OS user)."),
+        json_option,
+    )
+    for option in reversed(options):
+        switch = option(switch)
+    command(endpoint, verb)(switch)
 
 
-@command(endpoint, "pause")
-@click.argument("name")
-@click.option("--note", required=True, help="Why, for the audit trail.")
-@click.option("--operator", default=None, help="Your name (default: the OS user).")
-@json_option
-def endpoint_pause(obj: Context, name: str, note: str, operator: str | None,
-                   as_json: bool) -> None:  # fmt: skip
-    """Stop sending to NAME (planned maintenance): nothing is claimed, nothing is spent."""
-    _set(obj, name, paused=True, note=note, operator=operator, as_json=as_json)
-
-
-@command(endpoint, "resume")
-@click.argument("name")
-@click.option("--note", required=True, help="Why, for the audit trail.")
-@click.option("--operator", default=None, help="Your name (default: the OS user).")
-@json_option
-def endpoint_resume(obj: Context, name: str, note: str, operator: str | None,
-                    as_json: bool) -> None:  # fmt: skip
-    """Send to NAME again (an open circuit is probed at once)."""
-    _set(obj, name, paused=False, note=note, operator=operator, as_json=as_json)
+_PAUSE_DOC = "Stop sending to NAME (planned maintenance): nothing is claimed, nothing is spent."
+_switch(True, "pause", _PAUSE_DOC)
+_switch(False, "resume", "Send to NAME again (an open circuit is probed at once).")
