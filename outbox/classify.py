@@ -156,6 +156,15 @@ class RateHint:
 
     rate: float | None = None
     reset_seconds: float | None = None
+    #: Requests left in the current window (IETF ``r``, ``RateLimit-Remaining``,
+    #: ``X-RateLimit-Remaining``), when it says.
+    remaining: float | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        """The fields say the budget is used up: a rate limiter's refusal, not a gateway
+        that stamps its fields on every answer (budget left) in front of a dead upstream."""
+        return self.remaining is not None and self.remaining <= 0
 
 
 _PARAM = re.compile(r";\s*([a-z]+)\s*=\s*([0-9]+(?:\.[0-9]+)?)")
@@ -195,6 +204,11 @@ def rate_hint(headers: httpx.Headers | None, now_ms: int) -> RateHint | None:
         rate = policy["q"] / max(policy.get("w", 1.0), 0.001)
     if "t" in current:
         reset = current["t"]
+    remaining = current.get("r")
+    if remaining is None:
+        remaining = _number(
+            headers.get("ratelimit-remaining") or headers.get("x-ratelimit-remaining")
+        )
     limit = _number(headers.get("ratelimit-limit") or headers.get("x-ratelimit-limit"))
     raw_reset = _number(headers.get("ratelimit-reset") or headers.get("x-ratelimit-reset"))
     if raw_reset is not None and reset is None:
@@ -204,7 +218,7 @@ def rate_hint(headers: httpx.Headers | None, now_ms: int) -> RateHint | None:
         rate = limit / max(reset or 1.0, 1.0)
     if rate is None and reset is None:
         return None
-    return RateHint(rate, reset)
+    return RateHint(rate, reset, remaining)
 
 
 @dataclass(frozen=True, slots=True)

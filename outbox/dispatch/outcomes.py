@@ -189,10 +189,13 @@ def throttles(endpoint: Endpoint, result: AttemptResult) -> bool:
 
 def paces(endpoint: Endpoint, result: AttemptResult) -> bool:
     """Is this a throttling refusal that says how to pace (a ``Retry-After``, or
-    rate-limit fields): a rate limiter at work, not a receiver that is down? A bare
-    503 is not: during an outage it is what a load balancer answers."""
+    rate-limit fields whose budget is used up): a rate limiter at work, not a receiver
+    that is down? A bare 503 is not: during an outage it is what a load balancer
+    answers. Nor is a 503 whose rate-limit fields still show budget left: an API
+    gateway stamps those on every answer, its dead upstream's too."""
     cls = result.classification
-    told = cls.retry_after_seconds is not None or cls.rate_hint is not None
+    hint = cls.rate_hint
+    told = cls.retry_after_seconds is not None or (hint is not None and hint.exhausted)
     return told and throttles(endpoint, result)
 
 

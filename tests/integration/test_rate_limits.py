@@ -253,13 +253,25 @@ def test_budget_slices_of_two_dispatchers_never_overlap(db_url: str, tmp_path: P
 def test_rate_fields_are_read_in_their_three_forms() -> None:
     ietf = httpx.Headers({"RateLimit-Policy": '"default";q=100;w=10',
                           "RateLimit": '"default";r=0;t=4'})  # fmt: skip
-    assert rate_hint(ietf, 0) == rate_hint(ietf, 0).__class__(10.0, 4.0)  # type: ignore[union-attr]
+    assert rate_hint(ietf, 0) == rate_hint(ietf, 0).__class__(10.0, 4.0, 0.0)  # type: ignore[union-attr]
     x = httpx.Headers({"X-RateLimit-Limit": "30", "X-RateLimit-Reset": "1"})
     assert (h := rate_hint(x, 0)) is not None and h.rate == 30.0
     older = httpx.Headers({"RateLimit-Limit": "60", "RateLimit-Reset": "2"})
     assert (h := rate_hint(older, 0)) is not None and h.rate == 30.0 and h.reset_seconds == 2
     assert rate_hint(httpx.Headers({"Retry-After": "1"}), 0) is None
     assert rate_hint(httpx.Headers({"X-RateLimit-Limit": "soon"}), 0) is None
+
+
+def test_rate_fields_say_whether_the_budget_is_used_up() -> None:
+    def hint(fields: dict[str, str]) -> Any:
+        return rate_hint(httpx.Headers(fields), 0)
+
+    assert hint({"RateLimit": '"default";r=0;t=4'}).exhausted
+    assert not hint({"RateLimit": '"default";r=12;t=4'}).exhausted
+    assert hint({"X-RateLimit-Limit": "30", "X-RateLimit-Remaining": "0"}).exhausted
+    gateway = {"RateLimit-Limit": "100", "RateLimit-Remaining": "97", "RateLimit-Reset": "42"}
+    assert hint(gateway).remaining == 97 and not hint(gateway).exhausted
+    assert not hint({"X-RateLimit-Limit": "30"}).exhausted  # says nothing of what is left
 
 
 def test_bad_limits_are_refused_at_configuration() -> None:

@@ -14,15 +14,18 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from tenacity import wait_fixed
 
 from outbox import DispatcherSettings, Endpoint, FakeClock, Intent, Outbox, RetryPolicy, State
 from outbox.config import CircuitBreaker
 from outbox.store.endpoints import Circuit, EndpointState
+from outbox.store.tables import endpoint_states as endpoint_table
 from outbox.testing.receiver import Receiver, RemoteReceiver
 
 
@@ -108,3 +111,52 @@ def test_a_bare_503_still_counts_and_one_with_retry_after_does_not(
             assert (circuit is Circuit.OPEN) is opens
             assert len(receiver.requests()) >= 8  # every operation was refused at least once
             assert all(ob.get(f"op-{i}").state is State.PENDING for i in range(8))
+
+
+class _GatewayOverDeadUpstream(BaseHTTPRequestHandler):
+    """An API gateway that stamps its rate-limit fields, budget left, on every answer, in
+    front of an upstream that is down: 503, no ``Retry-After``."""
+
+    FIELDS = (
+        ("RateLimit-Limit", "100"),
+        ("RateLimit-Remaining", "97"),
+        ("RateLimit-Reset", "42"),
+        ("X-RateLimit-Remaining", "97"),
+    )
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(503)
+        for name, value in self.FIELDS:
+            self.send_header(name, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_503_whose_rate_fields_show_budget_left_opens_the_circuit(db_url: str) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayOverDeadUpstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    clock = FakeClock()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with _outbox(db_url, url, clock=clock) as ob:
+            _enqueue(ob, 8)
+            for _ in range(4):
+                ob.dispatch_once()
+                clock.advance(1.5)
+            state = _state(ob)
+            assert state is not None and state.circuit is Circuit.OPEN
+            assert all(ob.get(f"op-{i}").state is State.PENDING for i in range(8))
+            # Its RateLimit-Reset (42 s) with budget left is no wait: the fleet's send
+            # schedule (the budget's cursor, wall-clock µs) was not pushed out to it.
+            with ob.store.read() as conn:
+                cursor = conn.execute(
+                    select(endpoint_table.c.rate_cursor_us).where(endpoint_table.c.name == "rx")
+                ).scalar()
+            assert cursor is None or cursor < (time.time() + 30) * 1_000_000
+    finally:
+        server.shutdown()
+        server.server_close()
