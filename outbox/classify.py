@@ -166,6 +166,12 @@ class RateHint:
         that stamps its fields on every answer (budget left) in front of a dead upstream."""
         return self.remaining is not None and self.remaining <= 0
 
+    @property
+    def reset_is_a_wait(self) -> bool:
+        """Its reset is how long to hold off: the budget is spent, or what is left is not
+        said (a refusal's fields, read as spent). With budget left it is no wait."""
+        return self.remaining is None or self.exhausted
+
 
 _PARAM = re.compile(r";\s*([a-z]+)\s*=\s*([0-9]+(?:\.[0-9]+)?)")
 

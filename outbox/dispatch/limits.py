@@ -426,10 +426,8 @@ def _pause_ms(throttle: Throttle, result: AttemptResult, now_ms: int) -> int | N
     refused operation."""
     cls = result.classification
     waits = [cls.retry_after_seconds]
-    hint = cls.rate_hint
-    # A reset with budget left (a gateway's fields on a dead upstream's 503) is no wait.
-    if hint is not None and (hint.remaining is None or hint.exhausted):
-        waits.append(hint.reset_seconds)
+    if cls.rate_hint is not None and cls.rate_hint.reset_is_a_wait:
+        waits.append(cls.rate_hint.reset_seconds)
     longest = max((w for w in waits if w is not None), default=None)
     if longest is None or longest < throttle.pause_at_least.total_seconds():
         return None
