@@ -103,6 +103,8 @@ class ErrorClass(enum.StrEnum):
     LEASE_EXPIRED = "LeaseExpired"
     #: Not sent: too little of the lease was left for a whole attempt.
     LEASE_CHECK_FAILED = "LeaseCheckFailed"
+    #: Not sent: the claim's COMMIT was reported failed but took effect; given back.
+    CLAIM_COMMIT_LOST = "ClaimCommitLost"
     #: Not sent: the retry window closed between the claim and the send.
     WINDOW_CLOSED_BEFORE_SEND = "WindowClosedBeforeSend"
     #: No complete response within the attempt's total deadline.

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from outbox.clock import Clock
 from outbox.config import Endpoint
-from outbox.dispatch.outcomes import plan_claimed
+from outbox.dispatch.dbthread import write_while_leased
+from outbox.dispatch.outcomes import given_back, plan_claimed
+from outbox.model import ErrorClass
 from outbox.store.base import Store
+from outbox.store.evidence import claim_left_open
 from outbox.store.records import AttemptOutcome, Claimed, ClaimPlan, ClaimResult
 
 
@@ -75,3 +80,34 @@ def record_and_claim(
         lease_ms=args.lease_ms, limit=args.limit, plan=args.plan,
         server_clock=args.server_clock, steady_ms=args.steady_ms,
     )  # fmt: skip
+
+
+def give_back_lost_claim(store: Store, token: str, now_ms: int) -> set[int]:
+    """A claim whose COMMIT was reported failed may have taken effect: then operations
+    are leased under ``token`` with attempt rows, and nothing was sent. Close those
+    attempts as not sent (not counted) and make the operations due now, fenced on the
+    token; the pks given back (none when the claim never took effect)."""
+    left = claim_left_open(store, token)
+    if not left:
+        return set()
+    message = "the claim's COMMIT was reported failed but took effect; never sent"
+    outcomes = [given_back(a, ErrorClass.CLAIM_COMMIT_LOST, message, now_ms) for a in left]
+    return store.record_outcomes(now_ms=now_ms, outcomes=outcomes)
+
+
+async def give_back_after_failure(
+    args: ClaimArgs, lease_seconds: float, *, clock: Clock, run_db: Any, store: Store, log: Any
+) -> None:
+    """After the transaction of claim ``args`` failed: give back what it claimed if its
+    COMMIT took effect (:func:`give_back_lost_claim`), retrying a transient failure
+    while its lease would hold. Given up, the leases expire as before."""
+    ends = args.claimed_mono + lease_seconds
+    given: set[int] = await write_while_leased(
+        lambda: run_db(give_back_lost_claim, store=store, token=args.token,
+                       now_ms=clock.now_ms()),
+        lease_left=lambda: ends - clock.monotonic(),
+        log=log.bind(lease_token=args.token),
+    )  # fmt: skip
+    if given:
+        log.warning("claim_given_back", count=len(given), lease_token=args.token,
+                    detail="a failed COMMIT had claimed these; never sent, due again now")

@@ -23,7 +23,13 @@ from outbox.clock import Clock, OffsetClock, steady_ms
 from outbox.config import DispatcherSettings, Endpoint
 from outbox.dispatch import failpoints, heartbeat
 from outbox.dispatch._attempt import AttemptSender
-from outbox.dispatch._claims import ClaimArgs, claim_and_begin, claim_probe, record_and_claim
+from outbox.dispatch._claims import (
+    ClaimArgs,
+    claim_and_begin,
+    claim_probe,
+    give_back_after_failure,
+    record_and_claim,
+)
 from outbox.dispatch.breaker import Breaker
 from outbox.dispatch.dbthread import (
     DatabaseUnresponsive,
@@ -33,12 +39,7 @@ from outbox.dispatch.dbthread import (
     write_while_leased,
 )
 from outbox.dispatch.limits import Limits
-from outbox.dispatch.outcomes import (
-    DispatchSummary,
-    Work,
-    default_dispatcher_id,
-    transition_event,
-)
+from outbox.dispatch.outcomes import DispatchSummary, Work, default_dispatcher_id, transition_event
 from outbox.dispatch.unresolved import OnUnresolved, UnresolvedLookups
 from outbox.dispatch.wakeup import Wakeup, wait_any
 from outbox.errors import StoreError
@@ -383,8 +384,17 @@ class Dispatcher:
         # The work to start, and whether nothing was claimed. One transaction: the claim,
         # its decisions, the attempt rows; it commits before any request goes out.
         args = self._claim_args(limit)
-        result = await self._run_db(claim_and_begin, store=self.store, args=args)
+        result = await self._claim_db(claim_and_begin, args)
         return await self._claimed(result, args), not result.claimed
+
+    async def _claim_db(self, claim: Callable[..., T], args: ClaimArgs, **more: Any) -> T:
+        """Run a claim's transaction; failed, it may have committed: give its claim back."""
+        try:
+            return await self._run_db(claim, store=self.store, args=args, **more)
+        except Exception:
+            await give_back_after_failure(args, self.lease_seconds, clock=self.clock,
+                                          run_db=self._run_db, store=self.store, log=self._log)
+            raise
 
     async def _claimed(self, result: ClaimResult, args: ClaimArgs) -> list[Work]:
         """Account for a committed claim; the work to start (nothing is sent yet)."""
@@ -445,9 +455,8 @@ class Dispatcher:
     async def _claim_probe(self, endpoint: str) -> int:
         """Claim and start the half-open probe of ``endpoint`` (one due operation)."""
         args = self._claim_args(1)
-        works = await self._claimed(
-            await self._run_db(claim_probe, store=self.store, args=args, endpoint=endpoint), args
-        )
+        result = await self._claim_db(claim_probe, args, endpoint=endpoint)
+        works = await self._claimed(result, args)
         self.breaker.probes.update((w.claimed.pk, endpoint) for w in works)
         self._start(works)
         return len(works)
@@ -545,9 +554,7 @@ class Dispatcher:
             args = self._claim_args(limit)
             self.wakeup.before_claim()
             try:
-                written, result = await self._run_db(
-                    record_and_claim, store=self.store, args=args, outcomes=batch
-                )
+                written, result = await self._claim_db(record_and_claim, args, outcomes=batch)
                 return written, (limit, result, args)
             except Exception as exc:
                 # Nothing of it was written (or, after a lost COMMIT, the claim's leases

@@ -19,6 +19,7 @@ from outbox.store.records import (
     AttemptOutcome,
     Claimed,
     ClaimPlan,
+    OpenAttempt,
     Release,
     Settlement,
     StartedAttempt,
@@ -85,9 +86,11 @@ def default_dispatcher_id() -> str:
 
 
 #: Attempts given back before sending: not a retry of the operation.
-NOT_TRIED = frozenset(
-    {ErrorClass.LEASE_CHECK_FAILED.value, ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value}
-)
+NOT_TRIED = frozenset({
+    ErrorClass.LEASE_CHECK_FAILED.value,
+    ErrorClass.WINDOW_CLOSED_BEFORE_SEND.value,
+    ErrorClass.CLAIM_COMMIT_LOST.value,
+})
 
 
 def unsendable_window_end(c: Claimed, now: int) -> int:
@@ -154,10 +157,19 @@ def not_sent_outcome(
 ) -> AttemptOutcome:
     """A request given back before it left: not sent, not counted, due now."""
     c = work.claimed
+    begun = OpenAttempt(c.pk, work.token, work.started.request_id, c.maybe_delivered,
+                        c.saw_refusal)  # fmt: skip
+    return given_back(begun, error_class, message, now_ms)
+
+
+def given_back(
+    begun: OpenAttempt, error_class: ErrorClass, message: str, now_ms: int
+) -> AttemptOutcome:
+    """The outcome of an attempt begun and never sent: not counted, due again now."""
     return AttemptOutcome(
-        pk=c.pk,
-        lease_token=work.token,
-        request_id=work.started.request_id,
+        pk=begun.pk,
+        lease_token=begun.lease_token,
+        request_id=begun.request_id,
         delivery=Delivery.NOT_SENT,
         verdict=None,
         counted=False,
@@ -169,8 +181,8 @@ def not_sent_outcome(
         state=State.PENDING,
         reason=None,
         next_attempt_at=now_ms,
-        maybe_delivered=c.maybe_delivered,
-        saw_refusal=c.saw_refusal,
+        maybe_delivered=begun.maybe_delivered,
+        saw_refusal=begun.saw_refusal,
     )
 
 

@@ -8,6 +8,11 @@ the summary would call outcomes "not applied" that the database has. The evidenc
 the attempt row: its request ID belongs to this attempt alone, and an outcome written
 by anyone else (the next claim closing an expired lease) differs in delivery and
 error class.
+
+The claim's own COMMIT can be lost the same way: then its operations are leased to
+this dispatcher, with open attempt rows, although it never learnt of them. They were
+never sent; :func:`claim_left_open` finds them so they can be given back at once rather
+than wait out their lease and be recorded as maybe applied.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from collections.abc import Sequence
 
 from sqlalchemy import select
 
+from outbox.model import State
 from outbox.store.base import Store
-from outbox.store.records import AttemptOutcome
-from outbox.store.tables import attempts
+from outbox.store.records import AttemptOutcome, OpenAttempt
+from outbox.store.tables import attempts, operations
 
 
 def outcomes_applied(store: Store, outcomes: Sequence[AttemptOutcome]) -> set[int]:
@@ -43,3 +49,28 @@ def outcomes_applied(store: Store, outcomes: Sequence[AttemptOutcome]) -> set[in
         ):  # fmt: skip
             applied.add(out.pk)
     return applied
+
+
+def claim_left_open(store: Store, token: str) -> list[OpenAttempt]:
+    """What a claim whose COMMIT was reported failed holds if it took effect after all:
+    the operations still leased under ``token``, in flight, with their open attempt
+    rows. The dispatcher never sent them (it had no answer to start from)."""
+    with store.read() as conn:
+        rows = conn.execute(
+            select(
+                attempts.c.operation_pk, attempts.c.request_id,
+                operations.c.maybe_delivered, operations.c.saw_refusal,
+            )
+            .join(operations, operations.c.id == attempts.c.operation_pk)
+            .where(
+                operations.c.state == State.IN_FLIGHT.value,  # an index's prefix
+                operations.c.lease_token == token,
+                attempts.c.lease_token == token,
+                attempts.c.finished_at.is_(None),
+            )
+        ).all()  # fmt: skip
+    return [
+        OpenAttempt(r.operation_pk, token, r.request_id, bool(r.maybe_delivered),
+                    bool(r.saw_refusal))
+        for r in rows
+    ]  # fmt: skip

@@ -123,6 +123,17 @@ class AttemptOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class OpenAttempt:
+    """An attempt row begun under a lease and not finished, with its operation's flags."""
+
+    pk: int
+    lease_token: str
+    request_id: str
+    maybe_delivered: bool
+    saw_refusal: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Settlement:
     """Move a claimed operation to a state without an attempt (window closed, say)."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from tenacity import wait_fixed
 
-from outbox import Delivery, DispatcherSettings, Endpoint, Outbox, RetryPolicy, State
+from outbox import Delivery, DispatcherSettings, Endpoint, ErrorClass, Outbox, RetryPolicy, State
 from outbox.dispatch import failpoints
 from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
@@ -45,12 +45,15 @@ def _no_failpoints() -> Iterator[None]:
     failpoints.clear()
 
 
+def _endpoint(receiver: Receiver) -> Endpoint:
+    return Endpoint(name="receiver", base_url=receiver.url, timeout=2.0,
+                    retry=RetryPolicy(window=timedelta(minutes=5), wait=wait_fixed(0.1)),
+                    key_retention=timedelta(hours=1))  # fmt: skip
+
+
 def _outbox(url: str, receiver: Receiver) -> Outbox:
-    endpoint = Endpoint(name="receiver", base_url=receiver.url, timeout=2.0,
-                        retry=RetryPolicy(window=timedelta(minutes=5), wait=wait_fixed(0.1)),
-                        key_retention=timedelta(hours=1))  # fmt: skip
     settings = DispatcherSettings(lease_seconds=30.0, idle_poll_seconds=0.05)
-    return Outbox(url, endpoints=[endpoint], dispatcher=settings)
+    return Outbox(url, endpoints=[_endpoint(receiver)], dispatcher=settings)
 
 
 class _Running:
@@ -142,9 +145,7 @@ def test_outcomes_whose_lost_commit_applied_are_logged_as_applied(
     engine = create_engine(pg_url)
     upgrade(engine)
     engine.dispose()
-    endpoint = Endpoint(name="receiver", base_url=receiver.url, timeout=2.0,
-                        retry=RetryPolicy(window=timedelta(minutes=5), wait=wait_fixed(0.1)),
-                        key_retention=timedelta(hours=1))  # fmt: skip
+    endpoint = _endpoint(receiver)
     settings = DispatcherSettings(lease_seconds=15.0, idle_poll_seconds=0.05, concurrency=1,
                                   batch_size=1)  # fmt: skip
     with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
@@ -163,7 +164,49 @@ def test_outcomes_whose_lost_commit_applied_are_logged_as_applied(
             until(lambda: all(ob.get(f"lost-commit-{n}").state.is_settled for n in (1, 2)),
                   60, "both outcomes")  # fmt: skip
         summary = running.join()
+        # The claim that COMMIT carried (lost-commit-2) was given back at once, not left
+        # to its lease: its first attempt says never sent, none was called maybe applied.
+        _assert_given_back_then_sent(ob, receiver, "lost-commit-2")
     assert _events(logs, "outcome_claim_failed"), "the COMMIT was not the combined one"
     assert _events(logs, "outcome_commit_applied")
     assert _events(logs, "write_fenced") == []
     assert summary.fenced == 0 and summary.succeeded == 2
+    assert [e["count"] for e in _events(logs, "claim_given_back")] == [1]
+
+
+def _assert_given_back_then_sent(ob: Outbox, receiver: Receiver, op_id: str) -> None:
+    op = ob.get(op_id)
+    assert op.state is State.SUCCEEDED and op.attempts_counted == 1
+    lost, sent = op.attempts
+    assert (lost.delivery, lost.error_class, lost.counted) == (
+        Delivery.NOT_SENT, ErrorClass.CLAIM_COMMIT_LOST, False
+    )
+    assert sent.delivery is Delivery.SENT and sent.status_code == 201
+    assert [r.request_id for r in receiver.requests(key=op_id)] == [sent.request_id]
+
+
+@pytest.mark.postgres
+def test_a_claim_whose_lost_commit_applied_is_given_back_not_left_to_its_lease(
+    pg_url: str, receiver: Receiver
+) -> None:
+    """The claim loop's COMMIT (claim and attempt rows) reaches PostgreSQL, which
+    applies it, and the answer is lost. The dispatcher finds the claim under its token
+    and gives it back as never sent; the operation is sent long before the 60 s lease
+    would have expired (the old code waited it out, then recorded LeaseExpired)."""
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05)
+    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
+        proxy.url, endpoints=[_endpoint(receiver)], dispatcher=settings
+    ) as ob:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="lost-claim")  # fmt: skip
+        proxy.arm_commit("forward", after=b"INSERT INTO outbox_attempts")
+        running = _Running(ob)
+        assert proxy.commit_done.wait(30)
+        until(lambda: ob.get("lost-claim").state.is_settled, 30, "the outcome, within the lease")
+        summary = running.join()
+        _assert_given_back_then_sent(ob, receiver, "lost-claim")
+    assert [e["count"] for e in _events(logs, "claim_given_back")] == [1]
+    assert summary.succeeded == 1 and summary.recovered == 0
