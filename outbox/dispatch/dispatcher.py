@@ -302,8 +302,7 @@ class Dispatcher:
         return got, nothing
 
     def _store_backoff(self, backoff: float, exc: Exception) -> float:
-        """Locked, read-only or unreachable: nothing was claimed (or the claim's lease
-        will simply expire). The next, longer wait before trying again; never crash."""
+        """Locked, read-only or unreachable: the next, longer wait; never crash."""
         backoff = min(backoff * 2 if backoff else 0.1, _MAX_STORE_BACKOFF_SECONDS)
         self._log.warning("store_unavailable", error=type(exc).__name__,
                           detail=str(exc)[:300], retry_in_seconds=backoff)
@@ -381,8 +380,7 @@ class Dispatcher:
         )
 
     async def _claim_and_start(self, limit: int) -> tuple[list[Work], bool]:
-        # The work to start, and whether nothing was claimed. One transaction: the claim,
-        # its decisions, the attempt rows; it commits before any request goes out.
+        # One transaction (claim, decisions, attempt rows) commits before any request.
         args = self._claim_args(limit)
         result = await self._claim_db(claim_and_begin, args)
         return await self._claimed(result, args), not result.claimed
@@ -392,9 +390,12 @@ class Dispatcher:
         try:
             return await self._run_db(claim, store=self.store, args=args, **more)
         except Exception:
-            await give_back_after_failure(args, self.lease_seconds, clock=self.clock,
-                                          run_db=self._run_db, store=self.store, log=self._log)
+            await self._give_back(args)
             raise
+
+    async def _give_back(self, args: ClaimArgs) -> None:  # see ``_claims``
+        await give_back_after_failure(args, self.lease_seconds, clock=self.clock,
+                                      run_db=self._run_db, store=self.store, log=self._log)
 
     async def _claimed(self, result: ClaimResult, args: ClaimArgs) -> list[Work]:
         """Account for a committed claim; the work to start (nothing is sent yet)."""
@@ -533,9 +534,8 @@ class Dispatcher:
             self._no_claim.set()
 
     def _claim_with_outcomes(self, n: int) -> int:
-        """How many operations to claim in the transaction that writes ``n`` outcomes:
-        only while the claim loop is waiting for the slots these outcomes free (then the
-        claim it would make next joins their COMMIT), never after a stop, never once."""
+        """How many to claim with ``n`` outcomes: only while the claim loop waits for the
+        slots they free (its next claim joins their COMMIT), never after a stop or once."""
         if not self._parked or self._pipelined is None or self._pipelined.is_set():
             return 0
         free = self.settings.concurrency - self._inflight - self._claiming + n
@@ -545,30 +545,30 @@ class Dispatcher:
         self, batch: list[AttemptOutcome]
     ) -> tuple[set[int], tuple[int, ClaimResult, ClaimArgs] | None]:
         """Write a batch of outcomes, with the next claim when the loop waits for their
-        slots (one transaction). Alone, or if that transaction fails: retry a transient
-        database failure while a lease of the batch still holds (see
-        :func:`outbox.dispatch.dbthread.write_while_leased`)."""
+        slots (one transaction); alone, retried while a lease holds (``dbthread``)."""
         limit = self._claim_with_outcomes(len(batch))
         if limit:
             self._reserve(limit)
             args = self._claim_args(limit)
             self.wakeup.before_claim()
             try:
-                written, result = await self._claim_db(record_and_claim, args, outcomes=batch)
+                written, result = await self._run_db(
+                    record_and_claim, store=self.store, args=args, outcomes=batch)
                 return written, (limit, result, args)
             except Exception as exc:
-                # Nothing of it was written (or, after a lost COMMIT, the claim's leases
-                # expire unused): write the outcomes alone. Not the database's: a bug.
+                # Nothing of it was written, or a lost COMMIT wrote it all: the outcomes
+                # alone first (known answers), then the claim given back. Else: a bug.
                 log = self._log.warning if isinstance(exc, StoreError | DBAPIError) \
                     else self._log.exception
                 log("outcome_claim_failed", error=type(exc).__name__, detail=error_detail(exc))
             self._reserve(-limit)
-            return await self._write_outcomes_after_failure(batch), None
+            written = await self._write_outcomes_after_failure(batch)
+            await self._give_back(args)
+            return written, None
         return await self._write_outcomes_alone(batch), None
 
     async def _write_outcomes_after_failure(self, batch: list[AttemptOutcome]) -> set[int]:
-        """Write the outcomes alone after their transaction with a claim failed; those
-        found fenced may be the failed COMMIT's, applied after all (``dbthread``)."""
+        """The outcomes alone; those found fenced may be the failed COMMIT's (``dbthread``)."""
         written = await self._write_outcomes_alone(batch)
         return written | await applied_after_all(
             [out for out in batch if out.pk not in written],
