@@ -42,9 +42,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM_DIR = ROOT / "tests" / "support" / "faketime"
 STEP = 600
 # The receiver holds each answer this long; the endpoint waits longer, and the lease
-# leaves room for a slow start of the first send on a busy machine (the lease check
-# sends only with the timeout and a margin left).
-HOLD, TIMEOUT, LEASE = 3.0, 24.0, 30.0
+# leaves room for a slow start of the first send on a busy machine: the lease check
+# sends only with the timeout and a 2 s margin left, so a claim may wait LEASE - 26 s
+# for its send (at 30 s, 4 s: a loaded CI machine once took longer, and the attempt was
+# rightly given back as LeaseCheckFailed, a second attempt this test does not expect).
+HOLD, TIMEOUT, LEASE = 3.0, 24.0, 60.0
 
 
 def _libfaketime() -> str:
@@ -129,7 +131,8 @@ def _start(start: Callable[..., DispatcherProcess], db_url: str, receiver: Recei
 def _sent_once_and_succeeded(ob: Outbox, receiver: Receiver, op_id: str) -> None:
     op = ob.get(op_id)
     assert op.state is State.SUCCEEDED, (op.reason, op.attempts)
-    (attempt,) = op.attempts  # claimed once: no attempt closed as LeaseExpired
+    assert len(op.attempts) == 1, op.attempts  # claimed once: none closed as LeaseExpired
+    (attempt,) = op.attempts
     assert (attempt.delivery, attempt.status_code, attempt.error_class) == (
         Delivery.SENT, 201, None,
     )  # fmt: skip
