@@ -64,6 +64,17 @@ AFTER_COMMIT_KINDS = frozenset(
 )
 
 
+def _targeting(
+    times: int | _Default | None, probability: float | None, seed: int | None,
+    key: str | None, path: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The fields of a fault spec that say which requests it hits, shared by every kind;
+    ``times`` left at its default is 1, or unlimited when ``probability`` is given."""
+    if times is _DEFAULT:
+        times = None if probability is not None else 1
+    return {"times": times, "probability": probability, "seed": seed, "key": key, "path": path}
+
+
 class Faults:
     """Fault injection controls; the same API drives in-process and subprocess receivers.
 
@@ -76,12 +87,6 @@ class Faults:
     def __init__(self, submit: Callable[[dict[str, Any]], None], clear: Callable[[], None]) -> None:
         self._submit = submit
         self._clear = clear
-
-    @staticmethod
-    def _times(times: int | _Default | None, probability: float | None) -> int | None:
-        if times is _DEFAULT:
-            return None if probability is not None else 1
-        return times
 
     def drop_after_commit(
         self,
@@ -96,16 +101,8 @@ class Faults:
 
         ``times`` defaults to 1, or to unlimited when ``probability`` is given.
         """
-        self._submit(
-            {
-                "kind": "drop_after_commit",
-                "times": self._times(times, probability),
-                "probability": probability,
-                "seed": seed,
-                "path": path,
-                "key": key,
-            }
-        )
+        self._submit({"kind": "drop_after_commit",
+                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
 
     def fail_before_work(
         self,
@@ -119,18 +116,8 @@ class Faults:
         path: str | None = None,
     ) -> None:
         """Answer ``status`` (5xx or 429) before any work; ``times=None`` means always."""
-        self._submit(
-            {
-                "kind": "fail_before_work",
-                "status": status,
-                "retry_after": retry_after,
-                "times": times,
-                "probability": probability,
-                "seed": seed,
-                "key": key,
-                "path": path,
-            }
-        )
+        self._submit({"kind": "fail_before_work", "status": status, "retry_after": retry_after,
+                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
 
     def fail_after_commit(
         self,
@@ -148,18 +135,8 @@ class Faults:
         With ``stored=True`` that error becomes the receipt's response, so every replay
         answers it too.
         """
-        self._submit(
-            {
-                "kind": "fail_after_commit",
-                "status": status,
-                "times": self._times(times, probability),
-                "stored": stored,
-                "probability": probability,
-                "seed": seed,
-                "key": key,
-                "path": path,
-            }
-        )
+        self._submit({"kind": "fail_after_commit", "status": status, "stored": stored,
+                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
 
     def delay_after_commit(
         self,
@@ -172,17 +149,8 @@ class Faults:
         path: str | None = None,
     ) -> None:
         """Commit, sleep ``seconds``, then answer normally."""
-        self._submit(
-            {
-                "kind": "delay_after_commit",
-                "seconds": seconds,
-                "times": self._times(times, probability),
-                "probability": probability,
-                "seed": seed,
-                "key": key,
-                "path": path,
-            }
-        )
+        self._submit({"kind": "delay_after_commit", "seconds": seconds,
+                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
 
     def hang_after_commit(
         self,
@@ -198,17 +166,8 @@ class Faults:
 
         With ``replays=True`` later requests for an already applied key hang as well.
         """
-        self._submit(
-            {
-                "kind": "hang_after_commit",
-                "replays": replays,
-                "times": times,
-                "probability": probability,
-                "seed": seed,
-                "key": key,
-                "path": path,
-            }
-        )
+        self._submit({"kind": "hang_after_commit", "replays": replays,
+                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
 
     def stuck_in_progress(self, key: str, tenant: str = "") -> None:
         """Leave ``(tenant, key)``'s receipt "processing": every request with it gets 409.
