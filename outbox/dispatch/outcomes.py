@@ -167,23 +167,11 @@ def given_back(
 ) -> AttemptOutcome:
     """The outcome of an attempt begun and never sent: not counted, due again now."""
     return AttemptOutcome(
-        pk=begun.pk,
-        lease_token=begun.lease_token,
-        request_id=begun.request_id,
-        delivery=Delivery.NOT_SENT,
-        verdict=None,
-        counted=False,
-        status_code=None,
-        receiver_request_id=None,
-        error_class=error_class.value,
-        error_message=message,
-        duration_ms=0,
-        state=State.PENDING,
-        reason=None,
-        next_attempt_at=now_ms,
-        maybe_delivered=begun.maybe_delivered,
-        saw_refusal=begun.saw_refusal,
-    )
+        pk=begun.pk, lease_token=begun.lease_token, request_id=begun.request_id,
+        delivery=Delivery.NOT_SENT, counted=False, duration_ms=0, state=State.PENDING,
+        maybe_delivered=begun.maybe_delivered, saw_refusal=begun.saw_refusal,
+        error_class=error_class.value, error_message=message, next_attempt_at=now_ms,
+    )  # fmt: skip
 
 
 def throttles(endpoint: Endpoint, result: AttemptResult) -> bool:

@@ -101,19 +101,22 @@ class AttemptOutcome:
     lease_token: str
     request_id: str
     delivery: Delivery
-    verdict: Verdict | None
     counted: bool
-    status_code: int | None
-    receiver_request_id: str | None
-    error_class: str | None
-    error_message: str | None
     duration_ms: int
     # The operation's transition.
     state: State
-    reason: Reason | None
-    next_attempt_at: int | None
     maybe_delivered: bool
     saw_refusal: bool
+    # What was observed (an attempt never sent has only its error), and the rest of the
+    # transition.
+    verdict: Verdict | None = None
+    status_code: int | None = None
+    receiver_request_id: str | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    reason: Reason | None = None
+    #: When it is due again (epoch ms); None once settled.
+    next_attempt_at: int | None = None
     result: StoredResult | None = None
     #: A "still processing" answer: counts towards the in-progress budget.
     in_progress: bool = False
