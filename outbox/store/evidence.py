@@ -66,7 +66,7 @@ def claim_left_open(store: Store, token: str) -> list[OpenAttempt]:
                 operations.c.state == State.IN_FLIGHT.value,  # an index's prefix
                 operations.c.lease_token == token,
                 attempts.c.lease_token == token,
-                attempts.c.finished_at.is_(None),
+                attempts.c.delivery.is_(None),  # open, as the outcome update has it
             )
         ).all()  # fmt: skip
     return [

@@ -105,6 +105,9 @@ class AttemptOutcome:
     duration_ms: int
     # The operation's transition.
     state: State
+    #: When it is due again (epoch ms); None once settled. Required: a pending outcome
+    #: without it would never be claimed again.
+    next_attempt_at: int | None
     maybe_delivered: bool
     saw_refusal: bool
     # What was observed (an attempt never sent has only its error), and the rest of the
@@ -115,8 +118,6 @@ class AttemptOutcome:
     error_class: str | None = None
     error_message: str | None = None
     reason: Reason | None = None
-    #: When it is due again (epoch ms); None once settled.
-    next_attempt_at: int | None = None
     result: StoredResult | None = None
     #: A "still processing" answer: counts towards the in-progress budget.
     in_progress: bool = False
