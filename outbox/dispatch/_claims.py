@@ -13,7 +13,7 @@ from typing import Any
 
 from outbox.clock import Clock
 from outbox.config import Endpoint
-from outbox.dispatch.dbthread import write_while_leased
+from outbox.dispatch.dbthread import DatabaseUnresponsive, error_detail, is_transient
 from outbox.dispatch.outcomes import given_back, plan_claimed
 from outbox.model import ErrorClass
 from outbox.store.base import Store
@@ -95,19 +95,53 @@ def give_back_lost_claim(store: Store, token: str, now_ms: int) -> set[int]:
     return store.record_outcomes(now_ms=now_ms, outcomes=outcomes)
 
 
-async def give_back_after_failure(
-    args: ClaimArgs, lease_seconds: float, *, clock: Clock, run_db: Any, store: Store, log: Any
-) -> None:
-    """After the transaction of claim ``args`` failed: give back what it claimed if its
-    COMMIT took effect (:func:`give_back_lost_claim`), retrying a transient failure
-    while its lease would hold. Given up, the leases expire as before."""
-    ends = args.claimed_mono + lease_seconds
-    given: set[int] = await write_while_leased(
-        lambda: run_db(give_back_lost_claim, store=store, token=args.token,
-                       now_ms=clock.now_ms()),
-        lease_left=lambda: ends - clock.monotonic(),
-        log=log.bind(lease_token=args.token),
-    )  # fmt: skip
-    if given:
-        log.warning("claim_given_back", count=len(given), lease_token=args.token,
-                    detail="a failed COMMIT had claimed these; never sent, due again now")
+class LostClaims:
+    """The claims whose transaction failed and may have committed after all, until each
+    is given back (:func:`give_back_lost_claim`) or its lease ends.
+
+    Each is tried once when its transaction fails and again before each later claim, so
+    the claim loop's backoff spaces the tries while the database is away, and neither a
+    claim nor a stop waits on them. Given up at the end of its lease, a claim that had
+    committed is what it was before: its attempts are closed as unknown by the next claim.
+    """
+
+    def __init__(
+        self, *, store: Store, run_db: Any, clock: Clock, log: Any, lease_seconds: float
+    ) -> None:
+        self._store, self._run_db, self._clock, self._log = store, run_db, clock, log
+        self._lease_seconds = lease_seconds
+        #: token -> when its lease ends, on the monotonic clock.
+        self._pending: dict[str, float] = {}
+
+    async def failed(self, args: ClaimArgs) -> None:
+        """The transaction of claim ``args`` failed: give back what it claimed, if any."""
+        self._pending[args.token] = args.claimed_mono + self._lease_seconds
+        await self.give_back()
+
+    async def give_back(self) -> None:
+        """Try each pending claim once; one the database could not read stays pending
+        (and so do the others: it is away) while its lease holds."""
+        for token, ends in list(self._pending.items()):
+            log = self._log.bind(lease_token=token)
+            if ends - self._clock.monotonic() < 1.0:
+                self._pending.pop(token, None)
+                log.warning("claim_give_back_abandoned",
+                            detail="a failed claim's lease ends; had it committed, the next "
+                                   "claim closes its attempts as unknown")  # fmt: skip
+                continue
+            try:
+                given: set[int] = await self._run_db(
+                    give_back_lost_claim, store=self._store, token=token,
+                    now_ms=self._clock.now_ms())  # fmt: skip
+            except Exception as exc:
+                if is_transient(exc) or isinstance(exc, DatabaseUnresponsive):
+                    log.info("claim_give_back_deferred", error=type(exc).__name__)
+                    return
+                self._pending.pop(token, None)
+                log.error("claim_give_back_failed", error=type(exc).__name__,
+                          detail=error_detail(exc), exc_info=exc)  # fmt: skip
+                continue
+            self._pending.pop(token, None)
+            if given:
+                log.warning("claim_given_back", count=len(given),
+                            detail="a failed COMMIT had claimed these; never sent, due again now")

@@ -19,6 +19,7 @@ is claimed: no attempt rows, no backoff spent. A dispatcher:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -150,18 +151,26 @@ class Breaker:
                 probes=s.probes,
                 taken_over_from=s.probe_owner if taken_over else None,
             )
-            n = await probe(s.name)
+            try:
+                n = await probe(s.name)
+            except Exception:
+                # Its claim failed (it may be given back): the probe lease must not
+                # hold the circuit until it ends. Best effort; the error goes on.
+                with contextlib.suppress(Exception):
+                    await self._probe_again_soon(s, endpoint.circuit_breaker, now)
+                raise
             started += n
             if n == 0:  # nothing due to probe with: stay open, look again soon
-                await self._db(
-                    self.store.probe_failed,
-                    name=s.name,
-                    owner=self.owner,
-                    now_ms=now,
-                    next_probe_at=now + probe_wait_ms(endpoint.circuit_breaker, 0, self.rng),
-                    reason=s.reason or "open",
-                )
+                await self._probe_again_soon(s, endpoint.circuit_breaker, now)
         return started
+
+    async def _probe_again_soon(
+        self, s: EndpointState, policy: CircuitBreaker, now: int
+    ) -> None:
+        """Give the probe lease back: the circuit stays open, the next probe soon."""
+        await self._db(self.store.probe_failed, name=s.name, owner=self.owner, now_ms=now,
+                       next_probe_at=now + probe_wait_ms(policy, 0, self.rng),
+                       reason=s.reason or "open")  # fmt: skip
 
     async def observe(self, outcomes: list[tuple[AttemptOutcome, str | None]]) -> None:
         """Count written outcomes per endpoint (the fleet's count, in the database, is

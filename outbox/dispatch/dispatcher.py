@@ -25,9 +25,9 @@ from outbox.dispatch import failpoints, heartbeat
 from outbox.dispatch._attempt import AttemptSender
 from outbox.dispatch._claims import (
     ClaimArgs,
+    LostClaims,
     claim_and_begin,
     claim_probe,
-    give_back_after_failure,
     record_and_claim,
 )
 from outbox.dispatch.breaker import Breaker
@@ -117,6 +117,8 @@ class Dispatcher:
             now_ms=clock.now_ms, monotonic=clock.monotonic, run_db=self._run_db,
             lease_ms=int(self.lease_seconds * 1000), log=self._log,
         )  # fmt: skip
+        self._lost = LostClaims(store=store, run_db=self._run_db, clock=clock, log=self._log,
+                                lease_seconds=self.lease_seconds)  # fmt: skip
         self.limits = Limits(store=store, endpoints=self.endpoints, owner=self.dispatcher_id,
                              clock=clock, run_db=self._run_db, log=self._log,
                              lease_seconds=self.lease_seconds)  # fmt: skip
@@ -290,6 +292,7 @@ class Dispatcher:
         """One claim (after the clock sync and the breakers' probes); when nothing was
         due, tell the wake-up when the next operation or probe is."""
         await self._maybe_sync_clock()
+        await self._lost.give_back()  # failed claims that may have committed (``_claims``)
         await self.breaker.tick(self._claim_probe)
         self.wakeup.before_claim()
         limit = self.limits.room(min(free, self.settings.batch_size), self.breaker.states)
@@ -338,6 +341,7 @@ class Dispatcher:
         await self._outcomes.put(None)
         try:  # a writer that died re-raises here, after the cleanup below
             await writer
+            await self._lost.give_back()
         finally:
             await self._lookups.drain()
             for client in self._clients.values():
@@ -390,12 +394,8 @@ class Dispatcher:
         try:
             return await self._run_db(claim, store=self.store, args=args, **more)
         except Exception:
-            await self._give_back(args)
+            await self._lost.failed(args)
             raise
-
-    async def _give_back(self, args: ClaimArgs) -> None:  # see ``_claims``
-        await give_back_after_failure(args, self.lease_seconds, clock=self.clock,
-                                      run_db=self._run_db, store=self.store, log=self._log)
 
     async def _claimed(self, result: ClaimResult, args: ClaimArgs) -> list[Work]:
         """Account for a committed claim; the work to start (nothing is sent yet)."""
@@ -563,7 +563,7 @@ class Dispatcher:
                 log("outcome_claim_failed", error=type(exc).__name__, detail=error_detail(exc))
             self._reserve(-limit)
             written = await self._write_outcomes_after_failure(batch)
-            await self._give_back(args)
+            await self._lost.failed(args)
             return written, None
         return await self._write_outcomes_alone(batch), None
 

@@ -11,7 +11,9 @@ SQLite: another process holds the write lock past the busy timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +22,16 @@ from typing import Any
 import pytest
 from tenacity import wait_fixed
 
-from outbox import Delivery, DispatcherSettings, Endpoint, ErrorClass, Outbox, RetryPolicy, State
+from outbox import (
+    Delivery,
+    DispatcherSettings,
+    Endpoint,
+    ErrorClass,
+    Outbox,
+    RetryPolicy,
+    State,
+)
+from outbox.config import CircuitBreaker
 from outbox.dispatch import failpoints
 from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
@@ -210,3 +221,113 @@ def test_a_claim_whose_lost_commit_applied_is_given_back_not_left_to_its_lease(
         _assert_given_back_then_sent(ob, receiver, "lost-claim")
     assert [e["count"] for e in _events(logs, "claim_given_back")] == [1]
     assert summary.succeeded == 1 and summary.recovered == 0
+
+
+@pytest.mark.postgres
+def test_a_lost_claim_is_given_back_once_the_database_answers_again(
+    pg_url: str, receiver: Receiver
+) -> None:
+    """The claim's COMMIT is applied, its answer lost, and the database then refuses
+    every connection: the give-back cannot read it. It stays pending (no retries that
+    hold up the claim loop) and is done by the first claim step after the database
+    is back, long before the 60 s lease: the operation is sent once, its first attempt
+    never sent."""
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05)
+    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
+        proxy.url, endpoints=[_endpoint(receiver)], dispatcher=settings
+    ) as ob:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="lost-away")  # fmt: skip
+        proxy.arm_commit("forward", then_isolate=True, after=b"INSERT INTO outbox_attempts")
+        running = _Running(ob)
+        assert proxy.commit_done.wait(30)
+        # Deferred at least twice: at the failure, and at a later claim step.
+        until(lambda: len(_events(logs, "claim_give_back_deferred")) >= 2, 30, "deferred")
+        assert _events(logs, "claim_given_back") == []
+        proxy.refuse = False
+        until(lambda: ob.get("lost-away").state.is_settled, 30, "the outcome, within the lease")
+        summary = running.join()
+        _assert_given_back_then_sent(ob, receiver, "lost-away")
+    assert [e["count"] for e in _events(logs, "claim_given_back")] == [1]
+    assert _events(logs, "claim_give_back_abandoned") == []
+    assert summary.succeeded == 1 and summary.recovered == 0
+
+
+@pytest.mark.postgres
+def test_a_stop_while_the_database_is_away_does_not_wait_for_a_failed_claim(
+    pg_url: str, receiver: Receiver
+) -> None:
+    """A claim fails (its COMMIT never reaches the server) and the database refuses
+    every connection after it. The stop returns without waiting out the claim's 60 s
+    lease (the give-back used to retry until about then), and nothing was claimed."""
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05,
+                                  stop_timeout_seconds=10.0)  # fmt: skip
+    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
+        proxy.url, endpoints=[_endpoint(receiver)], dispatcher=settings
+    ) as ob:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="stop-away")  # fmt: skip
+        proxy.arm_commit("drop", then_isolate=True, after=b"INSERT INTO outbox_attempts")
+        running = _Running(ob)
+        assert proxy.commit_done.wait(30)  # the claim is failing: stop now
+        began = time.monotonic()
+        running.join()
+        assert time.monotonic() - began < 30, "the stop waited for the failed claim's lease"
+        proxy.refuse = False
+        op = ob.get("stop-away")
+    assert op.state is State.PENDING and op.attempts == ()
+    assert receiver.requests(key="stop-away") == []
+    assert _events(logs, "claim_given_back") == []
+
+
+@pytest.mark.postgres
+def test_a_probe_whose_lost_commit_applied_gives_back_its_probe_lease_too(
+    pg_url: str, receiver: Receiver
+) -> None:
+    """503s open the circuit and the dispatcher stops. The receiver recovers; the next
+    dispatcher's half-open probe has its claim COMMIT applied and its answer lost: the
+    operation is given back, and so is the probe lease (it used to hold the circuit
+    until the 60 s lease ended), so the next probe, about a second later, sends it and
+    closes the circuit."""
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    endpoint = dataclasses.replace(_endpoint(receiver), circuit_breaker=CircuitBreaker(
+        failure_threshold=3, probe_wait=timedelta(seconds=1),
+        probe_max_wait=timedelta(seconds=2), refresh_seconds=0.1,
+    ))  # fmt: skip
+    settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05)
+    receiver.faults.fail_before_work(503, retry_after=None)
+    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
+        proxy.url, endpoints=[endpoint], dispatcher=settings
+    ) as ob:
+        ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
+                   operation_id="lost-probe")  # fmt: skip
+        running = _Running(ob)
+        until(lambda: _events(logs, "circuit_opened"), 30, "the circuit to open")
+        running.join()
+        receiver.faults.clear()
+        # The circuit is open: only a probe claims (and writes attempt rows).
+        proxy.arm_commit("forward", after=b"INSERT INTO outbox_attempts")
+        running = _Running(ob)
+        assert proxy.commit_done.wait(30)
+        until(lambda: ob.get("lost-probe").state.is_settled, 30, "the outcome, within the lease")
+        summary = running.join()
+        op = ob.get("lost-probe")
+    assert op.state is State.SUCCEEDED
+    *refused, lost, sent = op.attempts
+    assert len(refused) >= 3 and {a.status_code for a in refused} == {503}
+    assert (lost.delivery, lost.error_class, lost.counted) == (
+        Delivery.NOT_SENT, ErrorClass.CLAIM_COMMIT_LOST, False
+    )
+    assert sent.delivery is Delivery.SENT and sent.status_code == 201
+    assert receiver.effect_count(key="lost-probe") == 1
+    assert [e["count"] for e in _events(logs, "claim_given_back")] == [1]
+    assert _events(logs, "circuit_closed")
+    assert summary.recovered == 0
