@@ -15,6 +15,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from outbox.dispatch import failpoints
 from outbox.store.engine import create_engine
 from outbox.store.migrate import upgrade
 from outbox.testing.receiver import Receiver
-from tests.faults.pgproxy import pg_proxy
+from tests.faults.pgproxy import PgProxy, pg_proxy
 from tests.faults.support import Events, Hold, outbox_events, until
 from tests.faults.test_store_faults import WriteLock, _db_path
 
@@ -88,6 +89,20 @@ class _Running:
 
 def _events(logs: Events, name: str) -> list[dict[str, Any]]:
     return logs.named(name)
+
+
+@contextmanager
+def _proxied(
+    pg_url: str, endpoint: Endpoint, settings: DispatcherSettings
+) -> Iterator[tuple[PgProxy, Events, Outbox]]:
+    """A migrated PostgreSQL behind a TCP proxy, the logs, and an Outbox through it."""
+    engine = create_engine(pg_url)
+    upgrade(engine)
+    engine.dispose()
+    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
+        proxy.url, endpoints=[endpoint], dispatcher=settings
+    ) as ob:
+        yield proxy, logs, ob
 
 
 def _assert_one_attempt_recorded(ob: Outbox, receiver: Receiver, op_id: str) -> None:
@@ -153,15 +168,10 @@ def test_outcomes_whose_lost_commit_applied_are_logged_as_applied(
     reaches PostgreSQL, which applies it, but its answer is lost. The outcome written
     alone afterwards finds the lease released; the log and the summary still say what
     the database holds: succeeded, not fenced."""
-    engine = create_engine(pg_url)
-    upgrade(engine)
-    engine.dispose()
     endpoint = _endpoint(receiver)
     settings = DispatcherSettings(lease_seconds=15.0, idle_poll_seconds=0.05, concurrency=1,
                                   batch_size=1)  # fmt: skip
-    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
-        proxy.url, endpoints=[endpoint], dispatcher=settings
-    ) as ob:
+    with _proxied(pg_url, endpoint, settings) as (proxy, logs, ob):
         for n in (1, 2):
             ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": n},
                        operation_id=f"lost-commit-{n}")  # fmt: skip
@@ -204,13 +214,8 @@ def test_a_claim_whose_lost_commit_applied_is_given_back_not_left_to_its_lease(
     applies it, and the answer is lost. The dispatcher finds the claim under its token
     and gives it back as never sent; the operation is sent long before the 60 s lease
     would have expired (the old code waited it out, then recorded LeaseExpired)."""
-    engine = create_engine(pg_url)
-    upgrade(engine)
-    engine.dispose()
     settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05)
-    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
-        proxy.url, endpoints=[_endpoint(receiver)], dispatcher=settings
-    ) as ob:
+    with _proxied(pg_url, _endpoint(receiver), settings) as (proxy, logs, ob):
         ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
                    operation_id="lost-claim")  # fmt: skip
         proxy.arm_commit("forward", after=b"INSERT INTO outbox_attempts")
@@ -232,13 +237,8 @@ def test_a_lost_claim_is_given_back_once_the_database_answers_again(
     hold up the claim loop) and is done by the first claim step after the database
     is back, long before the 60 s lease: the operation is sent once, its first attempt
     never sent."""
-    engine = create_engine(pg_url)
-    upgrade(engine)
-    engine.dispose()
     settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05)
-    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
-        proxy.url, endpoints=[_endpoint(receiver)], dispatcher=settings
-    ) as ob:
+    with _proxied(pg_url, _endpoint(receiver), settings) as (proxy, logs, ob):
         ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
                    operation_id="lost-away")  # fmt: skip
         proxy.arm_commit("forward", then_isolate=True, after=b"INSERT INTO outbox_attempts")
@@ -263,14 +263,9 @@ def test_a_stop_while_the_database_is_away_does_not_wait_for_a_failed_claim(
     """A claim fails (its COMMIT never reaches the server) and the database refuses
     every connection after it. The stop returns without waiting out the claim's 60 s
     lease (the give-back used to retry until about then), and nothing was claimed."""
-    engine = create_engine(pg_url)
-    upgrade(engine)
-    engine.dispose()
     settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05,
                                   stop_timeout_seconds=10.0)  # fmt: skip
-    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
-        proxy.url, endpoints=[_endpoint(receiver)], dispatcher=settings
-    ) as ob:
+    with _proxied(pg_url, _endpoint(receiver), settings) as (proxy, logs, ob):
         ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
                    operation_id="stop-away")  # fmt: skip
         proxy.arm_commit("drop", then_isolate=True, after=b"INSERT INTO outbox_attempts")
@@ -295,18 +290,13 @@ def test_a_probe_whose_lost_commit_applied_gives_back_its_probe_lease_too(
     operation is given back, and so is the probe lease (it used to hold the circuit
     until the 60 s lease ended), so the next probe, about a second later, sends it and
     closes the circuit."""
-    engine = create_engine(pg_url)
-    upgrade(engine)
-    engine.dispose()
     endpoint = dataclasses.replace(_endpoint(receiver), circuit_breaker=CircuitBreaker(
         failure_threshold=3, probe_wait=timedelta(seconds=1),
         probe_max_wait=timedelta(seconds=2), refresh_seconds=0.1,
     ))  # fmt: skip
     settings = DispatcherSettings(lease_seconds=60.0, idle_poll_seconds=0.05)
     receiver.faults.fail_before_work(503, retry_after=None)
-    with pg_proxy(pg_url) as proxy, outbox_events() as logs, Outbox(
-        proxy.url, endpoints=[endpoint], dispatcher=settings
-    ) as ob:
+    with _proxied(pg_url, endpoint, settings) as (proxy, logs, ob):
         ob.enqueue(endpoint="receiver", method="POST", path="/orders", json={"n": 1},
                    operation_id="lost-probe")  # fmt: skip
         running = _Running(ob)
