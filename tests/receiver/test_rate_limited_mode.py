@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -49,6 +50,20 @@ def test_the_x_ratelimit_fields_and_bad_settings() -> None:
         for bad in ({"rate": 0}, {"rate": 1, "burst": 0.5}, {"rate": 1, "headers": "odd"}):
             with pytest.raises(ValueError):
                 rx.faults.rate_limit(**bad)  # type: ignore[arg-type]
+
+
+def test_the_github_fields_carry_an_epoch_reset_on_a_403() -> None:
+    with Receiver() as rx, httpx.Client(base_url=rx.url, timeout=5) as client:
+        rx.faults.rate_limit(2, burst=1, headers="github", retry_after=None, status=403)
+        before = time.time()
+        first, second = _post(client, 2)
+        assert first.status_code == 201 and second.status_code == 403
+        assert "Retry-After" not in second.headers
+        assert second.headers["X-RateLimit-Remaining"] == "0"
+        assert second.headers["X-RateLimit-Resource"] == "core"
+        # The epoch second the budget is back: 1/rate away, rounded up to whole seconds.
+        assert before < int(second.headers["X-RateLimit-Reset"]) <= time.time() + 2
+        assert rx.effect_count() == 1
 
 
 def test_it_may_refuse_with_503_as_some_load_balancers_do(tmp_path: Path) -> None:

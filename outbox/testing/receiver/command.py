@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=429,
         choices=REFUSAL_STATUSES,
-        help="the status of a refusal beyond the rate (429, or 503)",
+        help="the status of a refusal beyond the rate (429, 503, or 403 as GitHub's)",
     )
     args = parser.parse_args(argv)
     limit = None

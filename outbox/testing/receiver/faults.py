@@ -187,10 +187,11 @@ class Faults:
     ) -> None:
         """Admit ``rate`` requests per second, whatever their key (a token bucket of
         ``burst`` tokens, one second's worth by default); answer the others ``status``
-        (429, or 503 as some load balancers do) with ``Retry-After`` before any work.
-        ``headers``: ``"none"``, ``"ietf"`` (``RateLimit``/``RateLimit-Policy``) or
-        ``"x-ratelimit"`` (``X-RateLimit-*``). Replaces an earlier rate limit;
-        :meth:`clear` removes it."""
+        (429; 503 as some load balancers do; 403 as GitHub's REST API does) with
+        ``Retry-After`` before any work. ``headers``: ``"none"``, ``"ietf"``
+        (``RateLimit``/``RateLimit-Policy``), ``"x-ratelimit"`` (``X-RateLimit-*``) or
+        ``"github"`` (``X-RateLimit-*`` with an epoch reset). Replaces an earlier rate
+        limit; :meth:`clear` removes it."""
         spec = RateLimitSpec(rate, burst, retry_after, headers, status)
         self._submit(spec.to_spec())
 

@@ -2,8 +2,8 @@
 
 A receiver in this mode admits ``rate`` requests per second (with bursts of up to
 ``burst``, one second's worth by default) and answers the rest ``429`` (or ``503``, as
-some load balancers do) with ``Retry-After`` before any work, as API gateways do. It may
-also say how it limits:
+some load balancers do, or ``403``, as GitHub's REST API does) with ``Retry-After``
+before any work, as API gateways do. It may also say how it limits:
 
 ==================  ===============================================================
 ``headers``         what a refusal carries besides ``Retry-After``
@@ -13,6 +13,9 @@ also say how it limits:
                     ``RateLimit: "default";r=0;t=S`` (the IETF httpapi draft)
 ``x-ratelimit``     ``X-RateLimit-Limit: R``, ``X-RateLimit-Remaining: 0`` and
                     ``X-RateLimit-Reset: S`` (delta seconds, GitHub's family)
+``github``          as ``x-ratelimit``, but ``X-RateLimit-Reset`` is the epoch second
+                    the budget comes back, with ``X-RateLimit-Used`` and
+                    ``X-RateLimit-Resource: core`` (GitHub's REST API)
 ==================  ===============================================================
 
 Every request is still logged (outcome ``rate_limited``), so a test reads what the
@@ -29,9 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-HEADER_STYLES = ("none", "ietf", "x-ratelimit")
+HEADER_STYLES = ("none", "ietf", "x-ratelimit", "github")
 #: The statuses a rate-limited receiver may refuse with.
-REFUSAL_STATUSES = (429, 503)
+REFUSAL_STATUSES = (429, 503, 403)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +45,8 @@ class RateLimitSpec:
     burst: float | None = None
     retry_after: str | None = "1"
     headers: str = "none"
-    #: The status of a refusal: 429, or 503 (a rate limiter that answers "unavailable").
+    #: The status of a refusal: 429, 503 (a rate limiter that answers "unavailable"), or
+    #: 403 (GitHub's "forbidden" with the budget's fields at 0).
     status: int = 429
 
     def __post_init__(self) -> None:
@@ -113,6 +117,15 @@ def refusal_headers(spec: RateLimitSpec, reset_seconds: float) -> tuple[tuple[st
     elif spec.headers == "x-ratelimit":
         headers += [("X-RateLimit-Limit", quota), ("X-RateLimit-Remaining", "0"),
                     ("X-RateLimit-Reset", str(reset))]  # fmt: skip
+    elif spec.headers == "github":
+        back = math.ceil(time.time() + reset)  # the epoch second the budget is back
+        headers += [
+            ("X-RateLimit-Limit", quota),
+            ("X-RateLimit-Remaining", "0"),
+            ("X-RateLimit-Used", quota),
+            ("X-RateLimit-Reset", str(back)),
+            ("X-RateLimit-Resource", "core"),
+        ]
     return tuple(headers)
 
 
