@@ -21,6 +21,9 @@ answer                    reading
 400/417/422 + conflict    key_conflict (a payload marker wins over "in progress";
                           the bare word "conflict" does not)
 408, 425, 429, 503        retry, refused before work
+403 + spent rate budget   retry, refused before work: a rate limit (GitHub's family
+  or + ``Retry-After``    answers 403 with ``X-RateLimit-Remaining: 0``, or 403 with
+                          ``Retry-After`` for its secondary limits)
 500, 502, 504, other 5xx  retry, may have been applied
 5xx + replay marker       a stored failure replayed (``Idempotent-Replayed: true``):
                           it will never change, so no retry (``outcome_unknown``)
@@ -244,7 +247,8 @@ class Classification:
     #: A 5xx the receiver marks as the replay of the result it stored for this key: every
     #: retry would get it again, so the policy stops at once (``outcome_unknown``).
     replayed_failure: bool = False
-    #: What a refusal says of the receiver's rate limit (read from 429 and 503 only).
+    #: What a refusal says of the receiver's rate limit (read from 429, 503 and a
+    #: rate-limit 403 only).
     rate_hint: RateHint | None = None
 
 
@@ -304,6 +308,13 @@ def is_key_mismatch(response: httpx.Response, body: bytes) -> bool:
     return response.status_code in CONFLICT_STATUSES and body_reading(body) == "conflict"
 
 
+#: A 403 is a permanent refusal, except from a rate limiter that says so: its fields
+#: show the budget spent, or it carries a ``Retry-After``. GitHub's REST API answers its
+#: primary limit "403 or 429, and ``x-ratelimit-remaining`` is 0", its secondary limits
+#: 403 or 429 with ``retry-after``; several APIs modelled on it do the same.
+RATE_LIMIT_FORBIDDEN = 403
+
+
 def classify_response(
     response: httpx.Response, body: bytes, now_ms: int, *, replay_status: int | None = None
 ) -> Classification:
@@ -336,6 +347,14 @@ def classify_response(
             Verdict.RETRY, Delivery.SENT, maybe_applied=True, replayed_failure=True
         )
     family = StatusFamily.of(status)
+    if status == RATE_LIMIT_FORBIDDEN:
+        hint = rate_hint(response.headers, now_ms)
+        if retry_after is not None or (hint is not None and hint.exhausted):
+            # A rate limit, not a permission: refused before work, as a 429 is.
+            return Classification(
+                Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after,
+                rate_hint=hint,
+            )  # fmt: skip
     if family is StatusFamily.REFUSAL:
         hint = rate_hint(response.headers, now_ms) if status in (429, 503) else None
         return Classification(
@@ -357,6 +376,7 @@ __all__ = [
     "IN_PROGRESS_MARKERS",
     "IN_PROGRESS_STATUS",
     "MAYBE_APPLIED_STATUSES",
+    "RATE_LIMIT_FORBIDDEN",
     "REFUSAL_STATUSES",
     "REPLAY_HEADERS",
     "STALE_MARKERS",

@@ -157,8 +157,9 @@ class CircuitBreaker:
 
 @dataclass(frozen=True, kw_only=True)
 class Throttle:
-    """How 429 and 503 answers throttle an endpoint for the whole fleet
-    (``outbox.dispatch.limits``): additive increase, multiplicative decrease.
+    """How 429 and 503 answers (and a 403 that is a rate limit's, see
+    :data:`outbox.classify.RATE_LIMIT_FORBIDDEN`) throttle an endpoint for the whole
+    fleet (``outbox.dispatch.limits``): additive increase, multiplicative decrease.
 
     The first refusals set the fleet's rate from what the receiver says (the IETF
     ``RateLimit-Policy``/``RateLimit`` fields, ``X-RateLimit-*``) or, when it says
@@ -173,8 +174,10 @@ class Throttle:
     retry window.
     """
 
-    #: The answers that throttle (refusals before work).
-    statuses: frozenset[int] = frozenset({429, 503})
+    #: The answers that throttle when they are read as refusals before work (a 403
+    #: only when its rate-limit fields say the budget is spent, or with ``Retry-After``:
+    #: any other 403 is a permanent refusal and throttles nothing).
+    statuses: frozenset[int] = frozenset({403, 429, 503})
     #: The rate is multiplied by this on a refusal.
     decrease: float = 0.8
     #: The fraction of the rate added back per ``interval`` without a refusal (at

@@ -14,8 +14,8 @@ A send time more than ``LATE_SECONDS`` past is dropped, not used late: a late se
 fall in another dispatcher's interval, and dropping bounds the overshoot. An endpoint
 that is not limited costs nothing: one dictionary look-up per attempt.
 
-On a throttling answer (429, 503: :class:`~outbox.config.Throttle`) the dispatcher
-throttles the endpoint at once for itself and writes the fleet's throttle (in the
+On a throttling answer (429, 503, a rate limit's 403: :class:`~outbox.config.Throttle`) the
+dispatcher throttles the endpoint at once for itself and writes the fleet's throttle (in the
 background, at most one write in flight per endpoint); every ``PERIOD`` it re-reads the
 throttle and, when an interval passed without a refusal, raises it (or lifts it).
 """

@@ -206,7 +206,7 @@ def attempt_outcome(
     the operation's next state from the answer and the history on its row. A request
     proven not sent while its endpoint is ``known_down`` (circuit not closed, a probe)
     does not spend ``max_attempts``; an operation never sent is bounded by its business
-    deadline, not by the window. A throttling refusal (``Endpoint.throttle``: 429, 503)
+    deadline, not by the window. A throttling refusal (``Endpoint.throttle``: 429, 503, 403)
     is a refusal before work under the fleet's throttle: like a request not sent, it
     spends no attempt and leaves the operation bounded by its business deadline."""
     c, endpoint, started = work.claimed, work.endpoint, work.started

@@ -191,6 +191,37 @@ def test_the_receivers_rate_fields_size_the_throttle(
             assert any(r.outcome == "rate_limited" for r in receiver.requests())
 
 
+def test_a_github_style_403_rate_limit_is_waited_out_not_failed(
+    db_url: str, rx: RemoteReceiver
+) -> None:
+    # GitHub's primary limit: 403, X-RateLimit-Remaining: 0, an epoch reset and no
+    # Retry-After. Read as a permanent 403, every refused operation ended failed.
+    rx.faults.rate_limit(40, retry_after=None, headers="github", status=403)
+    with _outbox(db_url, _endpoint(rx.url)) as ob:
+        _enqueue(ob, 200)
+        _drain(ob, rx, 200)
+        assert _states(ob, 200) == {State.SUCCEEDED: 200}
+        assert max(ob.get(f"op-{i}").attempts_counted for i in range(200)) == 1
+        [state] = [s for s in ob.store.endpoint_states() if s.name == "rx"]
+        assert state.rate is not None  # it throttled the fleet, as a 429 does
+    refused = [r for r in rx.requests() if r.outcome == "rate_limited"]
+    assert refused and {r.status for r in refused} == {403}
+    assert len(refused) < 200 * 0.5
+    assert rx.effect_count() == 200
+
+
+def test_a_403_without_rate_fields_still_fails_at_once(db_url: str, tmp_path: Path) -> None:
+    with Receiver(tmp_path / "rx.sqlite3") as receiver:
+        receiver.faults.fail_before_work(403, retry_after=None, times=None, key="op-0")
+        with _outbox(db_url, _endpoint(receiver.url)) as ob:
+            _enqueue(ob, 1)
+            ob.dispatch_once()
+            op = ob.get("op-0")
+            assert (op.state, op.attempts_total) == (State.FAILED, 1)
+            assert all(s.rate is None for s in ob.store.endpoint_states())
+        assert len(receiver.requests(key="op-0")) == 1
+
+
 def test_the_throttle_is_lifted_after_a_quiet_spell(db_url: str, tmp_path: Path) -> None:
     with (
         Receiver(tmp_path / "rx.sqlite3") as receiver,

@@ -134,3 +134,37 @@ def test_a_replayed_stored_failure_is_marked(
         assert replay_marker(httpx.Headers(headers)) == "Idempotent-Replayed: " + next(
             iter(headers.values())
         )
+
+
+_RESET = str(NOW // 1000 + 600)
+
+
+@pytest.mark.parametrize(
+    ("headers", "refused"),
+    [
+        # GitHub's primary limit: 403 with the budget's fields at 0 (epoch reset).
+        (
+            {"X-RateLimit-Limit": "60", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": _RESET},
+            True,
+        ),
+        # The IETF fields, budget spent; a secondary limit's bare Retry-After.
+        ({"RateLimit-Policy": '"default";q=10;w=1', "RateLimit": '"default";r=0;t=3'}, True),
+        ({"Retry-After": "60"}, True),
+        # A permission refusal stays one, even from an API that stamps its budget on
+        # every answer (budget left), and with no fields at all.
+        (
+            {"X-RateLimit-Limit": "60", "X-RateLimit-Remaining": "41", "X-RateLimit-Reset": _RESET},
+            False,
+        ),
+        ({}, False),
+    ],
+)
+def test_a_403_is_a_refusal_before_work_only_when_it_is_a_rate_limit(
+    headers: dict[str, str], refused: bool
+) -> None:
+    body = b'{"message":"API rate limit exceeded"}' if refused else b'{"message":"Forbidden"}'
+    got = classify_response(httpx.Response(403, headers=headers, content=body), body, NOW)
+    if refused:
+        assert (got.verdict, got.refused, got.maybe_applied) == (Verdict.RETRY, True, False)
+    else:
+        assert (got.verdict, got.refused, got.rate_hint) == (Verdict.FAILED, False, None)
