@@ -46,6 +46,9 @@ CASES = {
     # A load balancer that rate limits with 503 + Retry-After instead of 429: the
     # throttle paces it and the circuit breaker must not open on its refusals.
     "sqlite-1-none-503": ("sqlite", 1, False),
+    # GitHub's primary limit: 403 with X-RateLimit-Remaining: 0 and an epoch reset, no
+    # Retry-After. A permanent 403 to the outbox before: every refused operation failed.
+    "sqlite-1-none-403": ("sqlite", 1, False),
     "sqlite-1-declared": ("sqlite", 1, True),
     "postgresql-3-none": ("postgresql", 3, False),
     "postgresql-3-declared": ("postgresql", 3, True),
@@ -127,13 +130,20 @@ def _dispatchers(url: str, rx_url: str, rate_limit: float | None, n: int,
     ]
 
 
+def _refusal(case: str) -> dict[str, Any]:
+    """How the case's receiver refuses: 429 + Retry-After: 1 unless the name says."""
+    if case.endswith("-403"):
+        return {"status": 403, "retry_after": None, "headers": "github"}
+    return {"status": 503 if case.endswith("-503") else 429, "retry_after": "1"}
+
+
 def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, Any]:
     db, dispatchers, declared = CASES[name]
     rate_limit = rate if declared else None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         with RemoteReceiver.spawn(work / "rx.sqlite3", synchronous="OFF") as rx:
-            rx.faults.rate_limit(rate, retry_after="1", status=503 if "503" in name else 429)
+            rx.faults.rate_limit(rate, **_refusal(name))
             with database("sqlite" if db == "sqlite" else "postgres", work, "rl") as url:
                 ob = _outbox(url, rx.url, rate_limit, concurrency)
                 try:
@@ -161,8 +171,9 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
                     unresolved = len(ob.reconcile.unresolved(limit=ops))
                     # Did the circuit ever open? A row that never changed has no reason;
                     # opening and closing both write one.
-                    states = ob.reconcile.status().figures.endpoint_states
-                    opened = [e.name for e in states if e.reason is not None]
+                    figures = ob.reconcile.status().figures
+                    opened = [e.name for e in figures.endpoint_states if e.reason is not None]
+                    failed = figures.counts.get("failed") or 0
                 finally:
                     ob.close()
             requests = rx.requests()
@@ -177,7 +188,7 @@ def run_case(name: str, ops: int, rate: float, concurrency: int) -> dict[str, An
         "requests_per_op": round(len(requests) / ops, 3),
         "refused": sum(1 for r in requests if r.outcome == "rate_limited"),
         "circuit_opened": bool(opened),
-        "applied": len(applied), "unresolved": unresolved,
+        "applied": len(applied), "unresolved": unresolved, "failed": failed,
         "drain_s": round(drain, 2), "ideal_s": round(ideal, 2),
         "drain_vs_ideal": round(drain / ideal, 3), "wall_s": round(wall, 2),
         "max_per_1s_bucket": bucket, "max_per_sliding_1s": sliding,
