@@ -347,16 +347,12 @@ def classify_response(
             Verdict.RETRY, Delivery.SENT, maybe_applied=True, replayed_failure=True
         )
     family = StatusFamily.of(status)
-    if status == RATE_LIMIT_FORBIDDEN:
-        hint = rate_hint(response.headers, now_ms)
-        if retry_after is not None or (hint is not None and hint.exhausted):
-            # A rate limit, not a permission: refused before work, as a 429 is.
-            return Classification(
-                Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after,
-                rate_hint=hint,
-            )  # fmt: skip
-    if family is StatusFamily.REFUSAL:
-        hint = rate_hint(response.headers, now_ms) if status in (429, 503) else None
+    hint = rate_hint(response.headers, now_ms) if status in (429, 503, 403) else None
+    # A 403 that is a rate limit's, not a permission's: refused before work, as a 429 is.
+    limited = status == RATE_LIMIT_FORBIDDEN and (
+        retry_after is not None or (hint is not None and hint.exhausted)
+    )
+    if family is StatusFamily.REFUSAL or limited:
         return Classification(
             Verdict.RETRY, Delivery.SENT, refused=True, retry_after_seconds=retry_after,
             rate_hint=hint,
