@@ -132,12 +132,22 @@ def test_max_in_flight_is_kept_by_two_dispatchers_together(db_url: str, tmp_path
 # --------------------------------------------------------------------------- throttle
 
 
-def test_429s_throttle_the_fleet_and_spend_neither_attempts_nor_the_window(
-    db_url: str, rx: RemoteReceiver
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        {"retry_after": "1"},
+        # GitHub's primary limit: 403, X-RateLimit-Remaining: 0, an epoch reset and no
+        # Retry-After. Read as a permanent 403, every refused operation ended failed.
+        {"retry_after": None, "headers": "github", "status": 403},
+    ],
+    ids=["429", "github-403"],
+)
+def test_refusals_past_the_rate_throttle_the_fleet_and_spend_no_attempt(
+    db_url: str, rx: RemoteReceiver, refusal: dict[str, Any]
 ) -> None:
     # No declared limit. max_attempts=2 and a 2 s window: without the throttle's rules
     # operations refused twice, or refused past 2 s, would end unresolved.
-    rx.faults.rate_limit(40, retry_after="1")
+    rx.faults.rate_limit(40, **refusal)
     with _outbox(db_url, _endpoint(rx.url)) as ob:
         _enqueue(ob, 200)
         _drain(ob, rx, 200)
@@ -147,6 +157,7 @@ def test_429s_throttle_the_fleet_and_spend_neither_attempts_nor_the_window(
         assert state.rate is not None  # the fleet's throttle, in the database
     refused = [r for r in rx.requests() if r.outcome == "rate_limited"]
     assert refused  # the first burst found the limit...
+    assert {r.status for r in refused} == {refusal.get("status", 429)}
     assert len(refused) < 200 * 0.5  # ...and the throttle stopped hammering it
     assert rx.effect_count() == 200
 
@@ -189,25 +200,6 @@ def test_the_receivers_rate_fields_size_the_throttle(
                 rates = [s.rate for s in ob.store.endpoint_states() if s.name == "rx"]
             assert rates == [20.0]  # what the 429 said, not a guess
             assert any(r.outcome == "rate_limited" for r in receiver.requests())
-
-
-def test_a_github_style_403_rate_limit_is_waited_out_not_failed(
-    db_url: str, rx: RemoteReceiver
-) -> None:
-    # GitHub's primary limit: 403, X-RateLimit-Remaining: 0, an epoch reset and no
-    # Retry-After. Read as a permanent 403, every refused operation ended failed.
-    rx.faults.rate_limit(40, retry_after=None, headers="github", status=403)
-    with _outbox(db_url, _endpoint(rx.url)) as ob:
-        _enqueue(ob, 200)
-        _drain(ob, rx, 200)
-        assert _states(ob, 200) == {State.SUCCEEDED: 200}
-        assert max(ob.get(f"op-{i}").attempts_counted for i in range(200)) == 1
-        [state] = [s for s in ob.store.endpoint_states() if s.name == "rx"]
-        assert state.rate is not None  # it throttled the fleet, as a 429 does
-    refused = [r for r in rx.requests() if r.outcome == "rate_limited"]
-    assert refused and {r.status for r in refused} == {403}
-    assert len(refused) < 200 * 0.5
-    assert rx.effect_count() == 200
 
 
 def test_a_403_without_rate_fields_still_fails_at_once(db_url: str, tmp_path: Path) -> None:
