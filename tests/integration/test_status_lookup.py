@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,12 +25,14 @@ from tenacity import wait_fixed
 
 from outbox import Endpoint, FakeClock, Outbox, Reason, RetryPolicy, State
 from outbox.cli import main
-from outbox.config import StatusLookup, default_classify
+from outbox.config import StatusLookup
 from outbox.errors import ConfigurationError, OperatorActionRefused
 from outbox.model import LookupResult, LookupStatus
 from outbox.reconcile.probe import ACTOR, ProbeAction, probe, probe_all
 from outbox.testing.receiver import Receiver
 from outbox.wire.lookup import lookup_status
+from outbox.wire.transport import build_client
+from tests.security.support import EchoServer
 
 MakeOutbox = Callable[..., Outbox]
 RETENTION = timedelta(seconds=60)
@@ -275,87 +278,60 @@ def test_probe_refuses_what_it_cannot_settle(
 
 
 # -- the lookup itself -------------------------------------------------------------------------
+# (The default classifier and the route's validation are pure: tests/unit.)
 
 
-def _response(status: int, body: Any) -> httpx.Response:
-    return httpx.Response(status, content=json.dumps(body).encode())
-
-
-def test_default_classifier_reads_the_receivers_route() -> None:
-    applied = default_classify(
-        _response(200, {"state": "applied", "response": {"status": 201, "body": {"id": 1}}})
-    )
-    assert applied.status is LookupStatus.APPLIED
-    assert applied.result == {"status": 201, "body": {"id": 1}}
-    assert default_classify(_response(404, {"state": "unknown_key"})).status is (
-        LookupStatus.NOT_APPLIED
-    )
-    for response in (
-        _response(409, {"state": "processing"}),
-        _response(500, {}),
-        _response(401, {}),
-        _response(200, {"state": "weird"}),
-        httpx.Response(200, content=b"not json"),
-        _response(200, {"state": "applied", "response": {"status": 500, "body": {}}}),
-    ):
-        assert default_classify(response).status is LookupStatus.UNKNOWN
-
-
-def test_status_lookup_validates_its_path() -> None:
-    assert StatusLookup().target("a:b.c", "t/1") == "/operations/a%3Ab.c"
-    assert StatusLookup(path="/t/{tenant}/ops/{operation_id}").target("k", "t/1") == (
-        "/t/t%2F1/ops/k"
-    )
-    for bad in ("operations/{operation_id}", "/operations", "/ops/{operation_id}/{other}"):
-        with pytest.raises(ConfigurationError):
-            StatusLookup(path=bad)
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when the block ends
 
 
 def test_lookup_status_never_raises_and_sends_the_endpoints_headers() -> None:
-    asyncio.run(_lookup_status_checks())
+    with EchoServer(lambda method, path, headers: (404, b'{"state": "unknown_key"}')) as server:
+        asyncio.run(_lookup_status_checks(server))
 
 
-async def _lookup_status_checks() -> None:
-    seen: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        if request.url.path.endswith("/boom"):
-            raise httpx.ReadError("connection reset")
-        return _response(404, {"state": "unknown_key"})
-
+async def _lookup_status_checks(server: EchoServer) -> None:
     def broken(response: httpx.Response) -> LookupResult:
         raise RuntimeError("bad classifier")
 
     endpoint = _endpoint(
-        "https://rx.example/api",
+        f"{server.url}/api",
         tenant_header="X-Tenant",
         headers={"X-Static": "1"},
         auth=lambda: {"Authorization": "Bearer s3cret"},
     )
-    async with httpx.AsyncClient(
-        base_url=endpoint.base_url, transport=httpx.MockTransport(handler)
-    ) as client:
+    # The endpoint's own client, on the transport the dispatcher would choose.
+    async with build_client(endpoint, None) as client:
         result = await lookup_status(client, endpoint, "op-1", "acme")
         assert result.status is LookupStatus.NOT_APPLIED
         assert (result.method, result.path, result.http_status) == ("GET", "/operations/op-1", 404)
-        request = seen[-1]
-        assert str(request.url) == "https://rx.example/api/operations/op-1"
-        assert request.headers["X-Tenant"] == "acme"
-        assert request.headers["X-Static"] == "1"
-        assert request.headers["Authorization"] == "Bearer s3cret"
-        assert request.headers["X-Request-ID"] == result.request_id
-        assert "Idempotency-Key" not in request.headers
-
-        failing = await lookup_status(client, endpoint, "boom", "")
-        assert failing.status is LookupStatus.UNKNOWN and failing.error
+        assert result.body == '{"state": "unknown_key"}'
+        # What arrived at the receiver, as it read it off the socket.
+        method, path, headers = server.received[-1]
+        assert (method, path) == ("GET", "/api/operations/op-1")
+        assert headers["x-tenant"] == "acme"
+        assert headers["x-static"] == "1"
+        assert headers["authorization"] == "Bearer s3cret"
+        assert headers["x-request-id"] == result.request_id
+        assert "idempotency-key" not in headers
 
         odd = _endpoint(endpoint.base_url, status_lookup=StatusLookup(classify=broken))
         result = await lookup_status(client, odd, "op-1", "")
         assert result.status is LookupStatus.UNKNOWN and "bad classifier" in (result.error or "")
 
+        asked = len(server.received)
         none = _endpoint(endpoint.base_url, status_lookup=None)
         assert (await lookup_status(client, none, "op-1", "")).status is LookupStatus.UNKNOWN
+        assert len(server.received) == asked  # nothing sent without a status_lookup
+
+    # No receiver at all: a closed local port is an UNKNOWN with the error, not a raise.
+    down = _endpoint(f"http://127.0.0.1:{_closed_port()}")
+    async with build_client(down, None) as client:
+        failing = await lookup_status(client, down, "op-1", "")
+    assert failing.status is LookupStatus.UNKNOWN and failing.error
+    assert failing.http_status is None
 
 
 # -- command line ----------------------------------------------------------------------------
