@@ -1,7 +1,7 @@
 """Logging: the library logs through :mod:`logging`; applications (and the CLI) configure.
 
-Every event goes to a standard-library logger under ``outbox`` (``outbox.dispatch.dispatcher``,
-...), which carries a :class:`logging.NullHandler`: with nothing configured, using the
+Every event goes to a standard-library logger under ``outbox`` (``outbox.dispatch``,
+``outbox.store``, ...), which carries a :class:`logging.NullHandler`: with nothing configured, using the
 library prints nothing. The loggers are structlog loggers wrapped around the stdlib
 ones (:func:`get_logger`), never the application's global structlog configuration, so
 ``structlog.configure`` in the application changes nothing here and nothing here

@@ -4,6 +4,7 @@ Rendered by prometheus_client itself from a real SQLite outbox."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -60,3 +61,14 @@ def test_help_text_names_the_unit(tmp_path: Path) -> None:
             else "(a count)"
         )  # fmt: skip
         assert unit in words, f"{family.name}: {words!r}"
+
+
+def test_the_production_guide_lists_every_metric_exported(tmp_path: Path) -> None:
+    # The guide's table is the operator's list of what /metrics carries: no more, no less.
+    guide = (Path(__file__).resolve().parents[2] / "docs/guide/production.md").read_text()
+    listed = set(re.findall(r"^\| `(outbox_[a-z_]+)` \|", guide, flags=re.MULTILINE))
+    exported = set()
+    for family in text_string_to_metric_families(_scrape(tmp_path)):
+        if family.name.startswith("outbox_"):
+            exported.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    assert listed == exported
