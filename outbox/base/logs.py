@@ -1,12 +1,12 @@
 """Logging: the library logs through :mod:`logging`; applications (and the CLI) configure.
 
 Every event goes to a standard-library logger under ``outbox`` (``outbox.dispatch``,
-``outbox.store``, ...), which carries a :class:`logging.NullHandler`: with nothing configured, using the
-library prints nothing. The loggers are structlog loggers wrapped around the stdlib
-ones (:func:`get_logger`), never the application's global structlog configuration, so
-``structlog.configure`` in the application changes nothing here and nothing here
-changes it. A filtered-out event costs one ``isEnabledFor`` check: no event dict is
-built.
+``outbox.store``, ...), which carries a :class:`logging.NullHandler`: with nothing
+configured, using the library prints nothing. The loggers are structlog loggers wrapped
+around the stdlib ones (:func:`get_logger`), never the application's global structlog
+configuration, so ``structlog.configure`` in the application changes nothing here and
+nothing here changes it. A filtered-out event costs one ``isEnabledFor`` check: no event
+dict is built.
 
 A record's message is ``event key=value ...`` (values that need it JSON-quoted, so a
 value can never forge a line), and ``record.outbox`` holds the event as a dict
