@@ -5,7 +5,6 @@ planned-maintenance switch, audited."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 
 import click
@@ -69,14 +68,10 @@ def _switch(paused: bool, verb: str, doc: str) -> None:
     """``outbox endpoint VERB NAME --note ...``: pause or resume, audited."""
 
     def switch(obj: Context, name: str, note: str, operator: str | None, as_json: bool) -> None:
-        from outbox.reconcile.actions import default_operator
+        from outbox.reconcile import Reconciler
 
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
-            raise click.BadParameter(f"{name!r} is not an endpoint name (1-64 of [A-Za-z0-9._-])")
-        ob = obj.outbox()
-        actor = operator or default_operator()
-        state = ob.store.set_paused(
-            name, paused=paused, now_ms=ob.clock.now_ms(), actor=actor, note=note
+        state = Reconciler(obj.outbox()).set_endpoint_paused(
+            name, paused=paused, note=note, operator=operator
         )
         if as_json:
             click.echo(json.dumps(_row(state)))

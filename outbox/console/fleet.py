@@ -17,10 +17,11 @@ from starlette.responses import RedirectResponse, Response
 from outbox.console.app import Console, in_thread
 from outbox.console.auth import Session
 from outbox.errors import ValidationError
-from outbox.reconcile import check_actor, check_note
+from outbox.reconcile import Reconciler
 from outbox.reconcile.status import (
     EndpointFigures,
     EndpointLimits,
+    endpoint_names,
     endpoint_state_dict,
     figures,
 )
@@ -64,7 +65,7 @@ def fleet(console: Console) -> Fleet:
     now = outbox.clock.now_ms()
     fig = figures(outbox, now_ms=now, settled=False)
     states = {s.name: s for s in fig.endpoint_states}
-    names = sorted(set(fig.circuits) | set(fig.endpoints))
+    names = endpoint_names(fig)
     rows = []
     for name in names:
         s = states.get(name)
@@ -100,21 +101,24 @@ class FleetViews:
         )
 
     async def switch(self, request: Request, session: Session, form: FormData) -> Response:
-        """POST /endpoints/pause|resume: ``store.set_paused``, as ``outbox endpoint
-        pause|resume`` calls it, audited under the session's name in one transaction."""
+        """POST /endpoints/pause|resume: ``Reconciler.set_endpoint_paused``, as ``outbox
+        endpoint pause|resume`` calls it, audited under the session's name in one
+        transaction."""
         action = request.path_params["action"]
         name = form.get("name")
         note = form.get("note")
+        paused = action == "pause"
+        outbox = self.c.outbox
         try:
             if action not in ("pause", "resume"):
                 raise ValidationError(f"unknown endpoint action {action!r}")
             if not isinstance(name, str) or not isinstance(note, str):
                 raise ValidationError("name the endpoint and say why")
-            check_note(note)
-            check_actor(session.actor)
-            known = await in_thread(lambda: {r.name for r in fleet(self.c).rows})
-            if name not in known:
-                raise ValidationError(f"no endpoint {name[:64]!r} is known to this outbox")
+            await in_thread(
+                lambda: Reconciler(outbox).set_endpoint_paused(
+                    name, paused=paused, note=note, operator=session.actor
+                )
+            )
         except ValidationError as exc:
             return self.c.message(
                 session,
@@ -124,13 +128,5 @@ class FleetViews:
                 link="/endpoints",
                 link_text="Back to the endpoints",
             )
-        paused = action == "pause"
-        outbox = self.c.outbox
-        await in_thread(
-            lambda: outbox.store.set_paused(
-                name, paused=paused, now_ms=outbox.clock.now_ms(), actor=session.actor,
-                note=note,
-            )
-        )  # fmt: skip
         done = "paused" if paused else "resumed"
         return RedirectResponse(f"/endpoints?done={done}#endpoint-{quote(name)}", status_code=303)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from outbox.base.durations import format_duration
 from outbox.base.safetext import check_printable
-from outbox.canonical import check_operation_id, check_tenant
+from outbox.canonical import check_operation_id, check_tenant, quoted
 from outbox.errors import (
     ConcurrentModification,
     OperationNotFound,
@@ -33,8 +33,14 @@ from outbox.model import (
     ms_to_iso,
 )
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
-from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, SETTLED_COUNT_LIMIT, watch
-from outbox.store.endpoints import Circuit
+from outbox.reconcile.status import (
+    DEFAULT_DISPATCHER_TIMEOUT,
+    SETTLED_COUNT_LIMIT,
+    known_endpoints,
+    watch,
+)
+from outbox.store.browse import endpoint_in_use
+from outbox.store.endpoints import Circuit, EndpointState
 from outbox.store.operator import OperatorSelection
 
 if TYPE_CHECKING:
@@ -467,6 +473,8 @@ class OperatorActions:
         ``dry_run``, only count them. Returns the count per state."""
         if older_than <= timedelta(0):
             raise ValidationError("--older-than must be positive")
+        # Checked before anything is deleted: a refused purge deletes nothing.
+        actor = check_actor(operator or default_operator())
         now = self.outbox.clock.now_ms()
         cutoff = now - int(older_than.total_seconds() * 1000)
         if dry_run:
@@ -477,7 +485,7 @@ class OperatorActions:
                 {
                     "tenant": "",
                     "operation_id": "*",
-                    "actor": check_actor(operator or default_operator()),
+                    "actor": actor,
                     "action": Action.PURGE.value,
                     "from_state": None,
                     "to_state": None,
@@ -487,6 +495,26 @@ class OperatorActions:
                 }
             )
         return removed
+
+    def set_endpoint_paused(
+        self, name: str, *, paused: bool, note: str, operator: str | None = None
+    ) -> EndpointState:
+        """Pause an endpoint (planned maintenance: nothing of it is claimed, nothing is
+        spent) or resume it, audited in the same transaction. The note and the operator
+        are checked as for every other action, and ``name`` must be an endpoint this
+        outbox knows (registered, with a fleet state, or named by a stored operation): a
+        typo is refused rather than paused while the real endpoint goes on sending."""
+        check_note(note)
+        actor = check_actor(operator or default_operator())
+        now = self.outbox.clock.now_ms()
+        known = known_endpoints(self.outbox, now_ms=now)
+        if name not in known and not endpoint_in_use(self.store, name):
+            listed = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
+            raise ValidationError(
+                f"no endpoint {quoted(name, 64)} is known to this outbox (none registered "
+                f"by that name, no fleet state, no stored operation); known: {listed or '-'}"
+            )
+        return self.store.set_paused(name, paused=paused, now_ms=now, actor=actor, note=note)
 
     def vacuum(self) -> tuple[int | None, int | None]:
         """SQLite: give deleted rows' space back to the file system. Returns the bytes on
@@ -505,6 +533,6 @@ def check_note(note: str) -> str:
 
 
 def check_actor(actor: str) -> str:
-    if not actor or len(actor) > 255 or re.search(r"[\x00-\x1f\x7f-\x9f]", actor):
+    if not actor or len(actor) > 255 or re.search(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]", actor):
         raise ValidationError("operator name must be 1-255 printable characters")
     return actor

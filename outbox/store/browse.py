@@ -100,6 +100,15 @@ def audit_page(
     return [audit_from_row(r) for r in rows], total
 
 
+def endpoint_in_use(store: Store, name: str) -> bool:
+    """Whether any stored operation, live or settled, names endpoint ``name``."""
+    with store.read() as conn:
+        found = conn.execute(
+            select(operations.c.id).where(operations.c.endpoint == name).limit(1)
+        ).first()
+    return found is not None
+
+
 def distinct_values(store: Store) -> tuple[list[str], list[str], list[str]]:
     """Endpoints, tenants and audit actors present, for the filter menus (capped)."""
     with store.read() as conn:
