@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,10 @@ def serve(
         allowed_hosts = LOOPBACK_HOSTS
     app = create_app(outbox, credentials, read_only=read_only, allowed_hosts=allowed_hosts)
     shown = f"[{host}]" if ":" in host else host
+    # Bound here, before anything is printed: a port in use is one line and exit 2, not
+    # an address and a token for a server that never started.
+    sock = _listening_socket(host, port, shown)
+    port = sock.getsockname()[1]
     echo(f"outbox console on http://{shown}:{port}/ ({'read-only' if read_only else 'read-write'})")
     if credentials.generated:
         entry = credentials.entries[0]
@@ -92,4 +97,20 @@ def serve(
         server_header=False,
         proxy_headers=True,
     )
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _listening_socket(host: str, port: int, shown: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or type(exc).__name__
+        raise ConfigurationError(f"the console cannot listen on {shown}:{port}: {why}") from None
+    return sock
