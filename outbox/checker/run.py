@@ -35,6 +35,9 @@ from outbox.wire.transport import build_client
 if TYPE_CHECKING:
     from outbox.client import Outbox
 
+#: The longest wait before re-sending a key (seconds): a hint, not a retention test.
+MAX_RETENTION_DELAY = 3600.0
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -94,14 +97,19 @@ async def check_receiver_async(
         raise ValidationError(f"the probe path must start with '/', got {path!r}")
     if not method.isalpha():
         raise ValidationError(f"not an HTTP method: {method!r}")
-    if retention_delay < 0:
-        raise ValidationError("the retention delay must be >= 0 seconds")
+    if not 0 <= retention_delay <= MAX_RETENTION_DELAY:  # NaN too: it compares false
+        raise ValidationError(
+            f"the retention delay must be 0 to {MAX_RETENTION_DELAY:g} seconds, "
+            f"got {retention_delay!r}"
+        )
     if concurrency < 2:
         raise ValidationError("concurrency must be at least 2")
     if len(probe_tenants) != 2 or probe_tenants[0] == probe_tenants[1]:
         raise ValidationError("probe_tenants must be two different tenants")
     for probe_tenant in probe_tenants:
         check_tenant(probe_tenant)
+    if tenant:
+        check_tenant(tenant)
     method = method.upper()
     probe = probe_body(
         endpoint=ep.name, method=method, path=path, json_body=json_body, data=data,

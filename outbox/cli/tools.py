@@ -189,7 +189,7 @@ def _form_fields(text: str) -> Any:
 @click.option("--tenant", default="", help="Tenant sent with the probes (if the endpoint does).")
 @click.option(
     "--retention-delay",
-    type=click.FloatRange(min=0),
+    type=float,
     default=2.0,
     show_default=True,
     help="Seconds before re-sending a key, as a hint about key retention.",

@@ -229,6 +229,14 @@ def test_bad_arguments_are_refused_before_sending(tmp_path: Path) -> None:
             check_receiver(ob, endpoint="rx", path="orders", json_body=BODY)
         with pytest.raises(ValidationError):
             check_receiver(ob, endpoint="rx", path="/orders", json_body={"x": float("nan")})
+        # A delay that is not a number of seconds, or one that would wait forever.
+        for delay in (float("nan"), float("inf"), -1.0, 3601.0):
+            with pytest.raises(ValidationError, match="retention delay"):
+                check_receiver(
+                    ob, endpoint="rx", path="/orders", json_body=BODY, retention_delay=delay
+                )
+        with pytest.raises(ValidationError, match="tenant must be"):
+            check_receiver(ob, endpoint="rx", path="/orders", json_body=BODY, tenant="a\x1b")
         assert rx.requests() == []
 
 
