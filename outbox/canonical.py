@@ -192,17 +192,27 @@ def scheduled(args: CanonicalArgs, intent: Intent) -> CanonicalArgs:
     )
 
 
+def quoted(value: object, limit: int = 100) -> str:
+    """``repr(value)``, cut to ``limit`` characters of a long string: what an error
+    message quotes of rejected input, so a 100 KB argument is not a 100 KB line."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    return repr(value)
+
+
 def check_operation_id(operation_id: object) -> str:
     if not isinstance(operation_id, str) or not OPERATION_ID_PATTERN.fullmatch(operation_id):
         raise ValidationError(
-            f"operation_id must be 1-255 characters of [A-Za-z0-9._:-], got {operation_id!r}"
+            f"operation_id must be 1-255 characters of [A-Za-z0-9._:-], got {quoted(operation_id)}"
         )
     return operation_id
 
 
 def check_tenant(tenant: object) -> str:
     if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
-        raise ValidationError(f"tenant must be 0-255 characters of [A-Za-z0-9._:-], got {tenant!r}")
+        raise ValidationError(
+            f"tenant must be 0-255 characters of [A-Za-z0-9._:-], got {quoted(tenant)}"
+        )
     return tenant
 
 
@@ -211,7 +221,7 @@ def check_ordering_key(ordering_key: object) -> str | None:
         return None
     if not isinstance(ordering_key, str) or not _ORDERING_KEY_PATTERN.fullmatch(ordering_key):
         raise ValidationError(
-            f"ordering_key must be 1-255 characters of [A-Za-z0-9._:/-], got {ordering_key!r}"
+            f"ordering_key must be 1-255 characters of [A-Za-z0-9._:/-], got {quoted(ordering_key)}"
         )
     return ordering_key
 
@@ -244,19 +254,24 @@ def leaves_base(path: str) -> bool:
 def _check_path(path: object) -> str:
     if not isinstance(path, str) or not path.startswith("/") or path.startswith("//"):
         raise ValidationError(
-            f"path must be relative to the endpoint's base URL and start with one '/', got {path!r}"
+            "path must be relative to the endpoint's base URL and start with one '/', "
+            f"got {quoted(path)}"
         )
     if len(path) > 2048:
         raise ValidationError("path is longer than 2048 characters")
     if leaves_base(path):
         raise ValidationError(
             f"path must stay under the endpoint's base path: no '.' or '..' segments "
-            f"(also percent-encoded or with ';' parameters), got {path!r}"
+            f"(also percent-encoded or with ';' parameters), got {quoted(path)}"
         )
     if not _encodable(path):
-        raise ValidationError(f"path contains a lone surrogate, which cannot be sent: {path!r}")
+        raise ValidationError(
+            f"path contains a lone surrogate, which cannot be sent: {quoted(path)}"
+        )
     if _CONTROL.search(path) or " " in path or "#" in path or "\\" in path:
-        raise ValidationError(f"path contains spaces, control characters, '#' or '\\': {path!r}")
+        raise ValidationError(
+            f"path contains spaces, control characters, '#' or '\\': {quoted(path)}"
+        )
     return path
 
 

@@ -7,8 +7,8 @@ from datetime import timedelta
 
 from outbox.errors import ValidationError
 
-_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
-_WHOLE = re.compile(r"^(?:\d+(?:\.\d+)?[wdhms])+$")
+_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])", re.ASCII)
+_WHOLE = re.compile(r"^(?:\d+(?:\.\d+)?[wdhms])+$", re.ASCII)
 _UNITS = {"w": 604_800, "d": 86_400, "h": 3_600, "m": 60, "s": 1}
 #: Far beyond any retention an outbox keeps; also keeps timedelta from overflowing.
 _MAX_SECONDS = 100 * 365 * 86_400

@@ -13,6 +13,7 @@ import click
 
 from outbox.cli.root import _emit_json, err, json_option, main, out
 from outbox.cli.support import DURATION, Context, command
+from outbox.errors import ValidationError
 
 
 @main.group()
@@ -89,6 +90,9 @@ def shred(
     """Destroy the data keys of old finished operations; rows and audit trail stay."""
     from outbox.store import rekey
 
+    if older_than <= timedelta(0):
+        # As purge: "finished before now" would shred every finished operation at once.
+        raise ValidationError("--older-than must be positive")
     store = _store(obj)
     cutoff = obj.outbox().clock.now_ms() - int(older_than.total_seconds() * 1000)
     report = rekey.shred(store, finished_before_ms=cutoff, dry_run=dry_run,

@@ -23,6 +23,7 @@ import functools
 import gc
 import importlib
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -304,7 +305,9 @@ def page_options(most: int) -> Callable[[F], F]:
         def paged(*args: Any, limit: int, offset: int, **kwargs: Any) -> Any:
             return fn(*args, page=Page(limit, offset), **kwargs)
 
-        options = click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+        options = click.option(
+            "--offset", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True
+        )
         limit = click.IntRange(1, most)
         paged = options(paged)
         return cast(F, click.option("--limit", type=limit, default=50, show_default=True)(paged))
@@ -326,12 +329,11 @@ def shared_options(fn: F) -> F:
     """``--db``, ``--schema``, ``--app`` and ``--debug`` on a command: given after the
     command they override what came before it or from the environment."""
     for field, help_text in reversed(_SHARED_OPTIONS):
+        # (is_flag only where it is one: click 8.2 reads an explicit is_flag=False as
+        # "the value may be left out", and "--schema" with none was silently dropped.)
+        flag: dict[str, Any] = {"is_flag": True} if field == "debug" else {}
         fn = click.option(
-            f"--{field}",
-            is_flag=field == "debug",
-            expose_value=False,
-            callback=_setter(field),
-            help=help_text,
+            f"--{field}", expose_value=False, callback=_setter(field), help=help_text, **flag
         )(fn)
     return fn
 
@@ -341,7 +343,12 @@ def shared_options(fn: F) -> F:
 
 def _one_line(exc: BaseException | str) -> str:
     text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
-    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    line = ""
+    for part in (p.strip() for p in text.strip().splitlines()):
+        if part:
+            # A line ending in ":" or "," goes on (click's "Choose from:" list).
+            line += ("" if not line else " " if line.endswith((":", ",")) else "; ") + part
+    return line
 
 
 def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
@@ -377,6 +384,15 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
         return EXIT_REFUSED, _one_line(exc)
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        # A path the system refused (too long, a file where a directory must be, a
+        # read-only or virtual file system): the database's file or its directory.
+        path = os.fsdecode(exc.filename)
+        shown = path if len(path) <= 200 else f"{path[:200]}..."
+        reason = exc.strerror or type(exc).__name__
+        if isinstance(exc, FileExistsError | NotADirectoryError) and not os.path.isdir(path):
+            reason = "a file is in the way where a directory must be"
+        return EXIT_STORE, f"cannot use {shown!r}: {reason}"
     from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
     if isinstance(exc, (ArgumentError, NoSuchModuleError)):
@@ -469,6 +485,10 @@ def command(
     return decorate
 
 
+#: Lone surrogates: how Python spells the bytes of an argument that is not UTF-8.
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 class OutboxGroup(click.Group):
     """A click group whose usage errors are one line too (and a pointer to --help), and
     whose commands are imported when used: ``lazy_commands`` names the module that
@@ -478,6 +498,15 @@ class OutboxGroup(click.Group):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy_commands: dict[str, str] = {}
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # An argument that is not UTF-8 reaches Python as lone surrogates, which no
+        # database, header or terminal takes: refuse it here, once for every command.
+        for number, arg in enumerate(args, 1):
+            if _SURROGATES.search(arg):
+                shown = ascii(arg[:60].encode("utf-8", "surrogateescape"))
+                raise click.UsageError(f"argument {number} is not valid UTF-8: {shown}", ctx)
+        return super().parse_args(ctx, args)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         module = self.lazy_commands.get(cmd_name)

@@ -54,14 +54,27 @@ def schema_of(engine: Engine) -> str | None:
 
 def normalize_url(url: str | URL) -> URL:
     """Accept ``postgresql://`` and pick the psycopg 3 driver for it."""
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except ValueError as exc:  # SQLAlchemy's own parse: a port that is not a number
+        raise ConfigurationError(f"not a database URL outbox can use ({exc})") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
         raise ConfigurationError(
             f"unsupported database {parsed.drivername!r}: use sqlite or postgresql"
         )
+    if parsed.get_driver_name() in _ASYNC_DRIVERS:
+        raise ConfigurationError(
+            f"unsupported driver {parsed.drivername!r}: outbox needs a synchronous driver "
+            "(its database calls run on a thread of its own): use sqlite:/// or "
+            "postgresql+psycopg://"
+        )
     return parsed
+
+
+#: SQLAlchemy's asyncio drivers: their engines cannot be used by a plain Connection.
+_ASYNC_DRIVERS = frozenset({"aiosqlite", "asyncpg", "psycopg_async", "pysqlite_async"})
 
 
 def sqlite_path(url: URL) -> Path | None:
