@@ -200,30 +200,27 @@ def quoted(value: object, limit: int = 100) -> str:
     return repr(value)
 
 
+def _spelled(value: object, pattern: re.Pattern[str], what: str, rule: str) -> str:
+    """``value``, a string ``pattern`` matches whole; else the error that states ``rule``."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise ValidationError(f"{what} must be {rule}, got {quoted(value)}")
+    return value
+
+
 def check_operation_id(operation_id: object) -> str:
-    if not isinstance(operation_id, str) or not OPERATION_ID_PATTERN.fullmatch(operation_id):
-        raise ValidationError(
-            f"operation_id must be 1-255 characters of [A-Za-z0-9._:-], got {quoted(operation_id)}"
-        )
-    return operation_id
+    rule = "1-255 characters of [A-Za-z0-9._:-]"
+    return _spelled(operation_id, OPERATION_ID_PATTERN, "operation_id", rule)
 
 
 def check_tenant(tenant: object) -> str:
-    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
-        raise ValidationError(
-            f"tenant must be 0-255 characters of [A-Za-z0-9._:-], got {quoted(tenant)}"
-        )
-    return tenant
+    return _spelled(tenant, TENANT_PATTERN, "tenant", "0-255 characters of [A-Za-z0-9._:-]")
 
 
 def check_ordering_key(ordering_key: object) -> str | None:
     if ordering_key is None:
         return None
-    if not isinstance(ordering_key, str) or not _ORDERING_KEY_PATTERN.fullmatch(ordering_key):
-        raise ValidationError(
-            f"ordering_key must be 1-255 characters of [A-Za-z0-9._:/-], got {quoted(ordering_key)}"
-        )
-    return ordering_key
+    rule = "1-255 characters of [A-Za-z0-9._:/-]"
+    return _spelled(ordering_key, _ORDERING_KEY_PATTERN, "ordering_key", rule)
 
 
 def _check_method(method: object) -> str:
