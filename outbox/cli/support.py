@@ -387,12 +387,13 @@ def failure(exc: BaseException, obj: Context | None) -> tuple[int, str]:
     if isinstance(exc, OSError) and exc.filename is not None:
         # A path the system refused (too long, a file where a directory must be, a
         # read-only or virtual file system): the database's file or its directory.
+        from outbox.canonical import quoted
+
         path = os.fsdecode(exc.filename)
-        shown = path if len(path) <= 200 else f"{path[:200]}..."
         reason = exc.strerror or type(exc).__name__
         if isinstance(exc, FileExistsError | NotADirectoryError) and not os.path.isdir(path):
             reason = "a file is in the way where a directory must be"
-        return EXIT_STORE, f"cannot use {shown!r}: {reason}"
+        return EXIT_STORE, f"cannot use {quoted(path, 200)}: {reason}"
     from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
     if isinstance(exc, (ArgumentError, NoSuchModuleError)):

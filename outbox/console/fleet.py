@@ -21,7 +21,6 @@ from outbox.reconcile import Reconciler
 from outbox.reconcile.status import (
     EndpointFigures,
     EndpointLimits,
-    endpoint_names,
     endpoint_state_dict,
     figures,
 )
@@ -65,7 +64,7 @@ def fleet(console: Console) -> Fleet:
     now = outbox.clock.now_ms()
     fig = figures(outbox, now_ms=now, settled=False)
     states = {s.name: s for s in fig.endpoint_states}
-    names = endpoint_names(fig)
+    names = sorted(set(fig.circuits) | set(fig.endpoints))
     rows = []
     for name in names:
         s = states.get(name)

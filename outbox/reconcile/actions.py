@@ -33,13 +33,8 @@ from outbox.model import (
     ms_to_iso,
 )
 from outbox.reconcile.reports import OperationReport, RequeueRisk, StatusReport, explain
-from outbox.reconcile.status import (
-    DEFAULT_DISPATCHER_TIMEOUT,
-    SETTLED_COUNT_LIMIT,
-    known_endpoints,
-    watch,
-)
-from outbox.store.browse import endpoint_in_use
+from outbox.reconcile.status import DEFAULT_DISPATCHER_TIMEOUT, SETTLED_COUNT_LIMIT, watch
+from outbox.store.browse import distinct_values, endpoint_in_use
 from outbox.store.endpoints import Circuit, EndpointState
 from outbox.store.operator import OperatorSelection
 
@@ -507,9 +502,11 @@ class OperatorActions:
         check_note(note)
         actor = check_actor(operator or default_operator())
         now = self.outbox.clock.now_ms()
-        known = known_endpoints(self.outbox, now_ms=now)
+        known = set(self.outbox.endpoints) | {s.name for s in self.store.endpoint_states()}
         if name not in known and not endpoint_in_use(self.store, name):
-            listed = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
+            # Only on the way to a refusal: every name the operator might have meant.
+            named = sorted(known | set(distinct_values(self.store)[0]))
+            listed = ", ".join(named[:10]) + (", ..." if len(named) > 10 else "")
             raise ValidationError(
                 f"no endpoint {quoted(name, 64)} is known to this outbox (none registered "
                 f"by that name, no fleet state, no stored operation); known: {listed or '-'}"

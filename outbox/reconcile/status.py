@@ -324,17 +324,6 @@ def figures(
     )  # fmt: skip
 
 
-def endpoint_names(fig: Figures) -> list[str]:
-    """Every endpoint ``fig`` knows of: registered, with a fleet state row, or with live
-    operations (what the console's Endpoints page lists)."""
-    return sorted(set(fig.circuits) | set(fig.endpoints))
-
-
-def known_endpoints(outbox: OutboxParts, *, now_ms: int) -> list[str]:
-    """:func:`endpoint_names` of the outbox now: the names an operator may pause."""
-    return endpoint_names(figures(outbox, now_ms=now_ms, settled=False))
-
-
 def _circuits(outbox: OutboxParts, states: list[EndpointState]) -> dict[str, str]:
     circuits = dict.fromkeys(outbox.endpoints, "closed")
     for s in states:
