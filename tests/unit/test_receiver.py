@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 import sqlite3
@@ -16,7 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
-from outbox.testing.receiver import RandomFaults, Receiver, Refuse, RemoteReceiver
+from outbox.testing.receiver import (
+    RandomFaults,
+    Receiver,
+    Refuse,
+    RemoteReceiver,
+    SpawnOptions,
+)
 
 
 @pytest.fixture
@@ -471,3 +478,34 @@ def test_spawned_receiver_random_faults_from_flags() -> None:
         remote.faults.clear()  # clears the start-up random faults too
         assert post(c, "k", {}).status_code == 201
         assert remote.effect_count() == 1
+
+
+def test_spawn_takes_every_receiver_option_but_the_handler() -> None:
+    # One list crosses the process boundary: an option Receiver gains and spawn does not
+    # forward would be silently dropped in the child.
+    params = inspect.signature(Receiver.__init__).parameters
+    forwarded = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"handler"}
+    assert forwarded == set(SpawnOptions.__optional_keys__)
+
+
+def test_spawned_receiver_takes_a_flaw_and_a_tenant_header(tmp_path: Path) -> None:
+    with (
+        Receiver.spawn(tmp_path / "rx.db", flaw="ignores_key", tenant_header="X-Org") as remote,
+        httpx.Client(base_url=remote.url, timeout=5.0) as c,
+    ):
+        for _ in range(2):
+            r = c.post("/orders", json={"a": 1}, headers={"Idempotency-Key": "k", "X-Org": "acme"})
+            assert r.status_code == 201
+    # The flaw reached the child: one key, two effects, both under the header's tenant.
+    assert remote.effect_count(key="k", tenant="acme") == 2
+
+
+def test_spawn_refuses_bad_options_before_or_as_the_child_starts(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="unexpected options: bogus"):
+        Receiver.spawn(tmp_path / "rx.db", bogus=1)  # type: ignore[call-arg]
+    assert not (tmp_path / "rx.db").exists()  # nothing was started or created
+    with pytest.raises(ValueError, match="dialect must be one of"):
+        Receiver.spawn(tmp_path / "rx.db", dialect="nope")
+    # A combination only the receiver checks: its refusal is the child's one line.
+    with pytest.raises(RuntimeError, match="needs key_ttl_seconds"):
+        Receiver.spawn(tmp_path / "rx.db", flaw="forgets_keys_after")

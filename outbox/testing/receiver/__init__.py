@@ -42,7 +42,9 @@ Admin routes (never logged, never create effects), all JSON:
 
 Run it in its own process with ``python -m outbox.testing.receiver --db PATH --port N``
 (see ``--help``); it prints ``listening http://HOST:PORT`` and serves until SIGTERM or
-SIGINT. :meth:`Receiver.spawn` does that and returns a :class:`RemoteReceiver`.
+SIGINT. :meth:`Receiver.spawn` does that and returns a :class:`RemoteReceiver`; it takes the
+same options as :class:`Receiver` but ``handler`` (:class:`SpawnOptions`), each a flag
+of the command.
 
 The package, one concept per module: :mod:`.records` (the SQLite file and its rows),
 :mod:`.faults` (fault controls, specs and the plan), :mod:`.dialects` (how answers are
@@ -56,7 +58,7 @@ from outbox.testing.receiver.command import main
 from outbox.testing.receiver.faults import Faults, RandomFaults
 from outbox.testing.receiver.inprocess import Receiver
 from outbox.testing.receiver.records import Effect, Receipt, RequestRecord
-from outbox.testing.receiver.remote import RemoteReceiver
+from outbox.testing.receiver.remote import RemoteReceiver, SpawnOptions
 from outbox.testing.receiver.service import EffectHandler, Refuse
 
 __all__ = [
@@ -69,5 +71,6 @@ __all__ = [
     "Refuse",
     "RemoteReceiver",
     "RequestRecord",
+    "SpawnOptions",
     "main",
 ]

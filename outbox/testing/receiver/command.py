@@ -8,11 +8,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import fields
 from types import FrameType
+from typing import cast
 
 from outbox.testing.receiver.dialects import DIALECTS
 from outbox.testing.receiver.faults import RandomFaults
 from outbox.testing.receiver.inprocess import SYNC_LEVELS, Receiver
 from outbox.testing.receiver.ratelimit import HEADER_STYLES, REFUSAL_STATUSES, RateLimitSpec
+from outbox.testing.receiver.remote import SpawnOptions
+from outbox.testing.receiver.service import FLAWS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,9 +27,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--db", required=True, help="SQLite file (created if missing)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--key-ttl", type=float, default=None, help="forget receipts after S s")
+    parser.add_argument(
+        "--key-ttl-seconds", "--key-ttl", type=float, default=None, help="forget receipts after S s"
+    )
     parser.add_argument("--tenant-header", default="X-Tenant")
     parser.add_argument("--synchronous", default="FULL", choices=SYNC_LEVELS)
+    parser.add_argument("--flaw", default=None, choices=FLAWS, help="be wrong in this way")
     parser.add_argument("--dialect", default="ietf", choices=sorted(DIALECTS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
     # Every probability of RandomFaults, flagged as its to_argv() writes it.
@@ -91,16 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with Receiver(
-        args.db,
-        host=args.host,
-        port=args.port,
-        key_ttl_seconds=args.key_ttl,
-        tenant_header=args.tenant_header,
-        synchronous=args.synchronous,
-        random_faults=random_faults,
-        dialect=args.dialect,
-    ) as rx:
+    # Every SpawnOptions name is a flag of its name (spawn_argv writes them).
+    values = {**vars(args), "random_faults": random_faults}
+    options = {name: values[name] for name in SpawnOptions.__optional_keys__}
+    try:
+        receiver = Receiver(args.db, **cast(SpawnOptions, options))
+    except ValueError as exc:
+        print(f"refused: {exc}", flush=True)  # the first line RemoteReceiver.spawn reads
+        return 2
+    with receiver as rx:
         if limit is not None:
             rx.faults.rate_limit(limit.rate, burst=limit.burst, retry_after=limit.retry_after,
                                  headers=limit.headers)  # fmt: skip

@@ -15,13 +15,48 @@ import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, Any, Self, TypedDict, Unpack
 
 from outbox.testing.receiver.dialects import dialect_named
 from outbox.testing.receiver.faults import Faults, RandomFaults
 from outbox.testing.receiver.oracle import Oracle
 from outbox.testing.receiver.records import json_bytes
-from outbox.testing.receiver.service import ADMIN_PREFIX, Synchronous
+from outbox.testing.receiver.service import ADMIN_PREFIX, Flaw, Synchronous
+
+
+class SpawnOptions(TypedDict, total=False):
+    """:class:`Receiver`'s options that cross a process boundary (all but ``handler``),
+    each a flag of ``python -m outbox.testing.receiver`` of its name: the one list that
+    :meth:`RemoteReceiver.spawn` writes as flags and the command reads back."""
+
+    host: str
+    port: int
+    key_ttl_seconds: float | None
+    tenant_header: str
+    synchronous: Synchronous
+    random_faults: RandomFaults | None
+    flaw: Flaw | None
+    dialect: str
+
+
+def spawn_argv(options: SpawnOptions) -> list[str]:
+    """The flags that start a receiver process with ``options`` (``port`` aside: it is
+    given at each start, to keep the port a restart rebinds)."""
+    unknown = sorted(options.keys() - SpawnOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"spawn() got unexpected options: {', '.join(unknown)}")
+    argv: list[str] = []
+    for name, value in options.items():
+        if name == "port" or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, RandomFaults):
+            argv += value.to_argv()
+        elif name == "dialect":
+            argv += [flag, dialect_named(str(value)).name]  # refused here, not by the child
+        else:
+            argv += [flag, value if isinstance(value, str) else repr(value)]
+    return argv
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,42 +92,23 @@ class RemoteReceiver(Oracle):
         cls,
         db_path: str | os.PathLike[str] | None = None,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        key_ttl_seconds: float | None = None,
-        tenant_header: str = "X-Tenant",
-        synchronous: Synchronous = "FULL",
-        random_faults: RandomFaults | None = None,
         startup_timeout_seconds: float = 15.0,
-        dialect: str = "ietf",
+        **options: Unpack[SpawnOptions],
     ) -> Self:
-        """Run ``python -m outbox.testing.receiver`` in its own process.
+        """Run ``python -m outbox.testing.receiver`` in its own process, with the options
+        of :class:`Receiver` but ``handler`` (see :class:`SpawnOptions`).
 
         The returned receiver owns the process (and the temporary database when
         ``db_path`` is None): :meth:`close` ends both.
         """
+        argv = spawn_argv(options)
         tmpdir = None
         if db_path is None:
             tmpdir = tempfile.mkdtemp(prefix="outbox-receiver-")
             db_path = Path(tmpdir) / "receiver.db"
-        argv = [
-            "--db",
-            os.fspath(db_path),
-            "--host",
-            host,
-            "--tenant-header",
-            tenant_header,
-            "--synchronous",
-            synchronous,
-            "--dialect",
-            dialect_named(dialect).name,
-        ]
-        if key_ttl_seconds is not None:
-            argv += ["--key-ttl", repr(key_ttl_seconds)]
-        if random_faults is not None:
-            argv += random_faults.to_argv()
+        argv = ["--db", os.fspath(db_path), *argv]
         remote = cls("", db_path)
-        remote._url, remote._port = None, port  # not running until started
+        remote._url, remote._port = None, options.get("port", 0)  # not running until started
         remote._launch = _Launch(argv, startup_timeout_seconds, tmpdir)
         try:
             remote.start()
