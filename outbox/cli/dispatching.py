@@ -163,9 +163,12 @@ def _supervise(
 
 
 def _child_args(obj: Context) -> list[str]:
-    """The options this command was given (before or after it), for a child process."""
+    """The options this command was given (before or after it), for a child process.
+    A URL from the environment stays there: the child inherits it, a password stays off
+    every process's command line, and beside ``--app`` it is not the operator's word."""
     args = ["--log-level", obj.log_level, "--log-format", obj.log_format]
-    for option, value in (("--db", obj.db), ("--schema", obj.schema), ("--app", obj.app)):
+    db = obj.db if obj.db_env is None else None
+    for option, value in (("--db", db), ("--schema", obj.schema), ("--app", obj.app)):
         if value is not None:
             args += [option, value]
     return args

@@ -146,6 +146,7 @@ class Context:
         if self._outbox is None:
             if self.app:
                 self._outbox = load_app(self.app)
+                self._same_database(self._outbox)
                 if self.keys:  # the operator's key ring, over the application's
                     from outbox.store.sealing import Sealer
 
@@ -161,6 +162,27 @@ class Context:
                 keys = load_keys(self.keys) if self.keys else None
                 self._outbox = Outbox(self.db, schema=self.schema, auto_migrate=False, keys=keys)
         return self._outbox
+
+    def _same_database(self, app: Outbox) -> None:
+        """With ``--app``, the application's Outbox names the database: a ``--db`` or
+        ``--schema`` given on the command line that names another is refused, rather
+        than silently not used (``OUTBOX_DB`` from the environment is not used)."""
+        from outbox.store.engine import same_database, schema_of
+
+        theirs = app.engine.url
+        given = self.db if self.db_env is None else None  # OUTBOX_DB is not the operator's
+        if given is not None and not same_database(given, theirs):
+            shown = theirs.render_as_string(hide_password=True)
+            raise click.UsageError(
+                f"--app {self.app} is on {shown}, not the --db given: "
+                "give one of them (the application names its database)"
+            )
+        if self.schema is not None and self.schema != schema_of(app.engine):
+            raise click.UsageError(
+                f"--app {self.app} keeps its tables in schema "
+                f"{schema_of(app.engine) or '(the default search_path)'}, not {self.schema}: "
+                "give one of them"
+            )
 
     def close(self) -> None:
         if self._outbox is not None:

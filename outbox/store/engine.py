@@ -77,6 +77,16 @@ def normalize_url(url: str | URL) -> URL:
 _ASYNC_DRIVERS = frozenset({"aiosqlite", "asyncpg", "psycopg_async", "pysqlite_async"})
 
 
+def same_database(a: str | URL, b: str | URL) -> bool:
+    """Whether two URLs name one database (a SQLite file by its resolved path)."""
+    first, second = normalize_url(a), normalize_url(b)
+    if first.get_backend_name() == second.get_backend_name() == "sqlite":
+        paths = sqlite_path(first), sqlite_path(second)
+        if paths[0] is not None and paths[1] is not None:
+            return paths[0].resolve() == paths[1].resolve()
+    return first.render_as_string() == second.render_as_string()
+
+
 def sqlite_path(url: URL) -> Path | None:
     """The file behind a SQLite URL, or None for an in-memory database."""
     database = url.database

@@ -28,8 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 DAY_MS = 86_400_000
 
 
-def _outbox(*args: str | bytes, cwd: Path) -> subprocess.CompletedProcess[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+def _outbox(
+    *args: str | bytes, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}, **(env or {})}
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [sys.executable, "-m", "outbox", *args],
@@ -255,3 +257,45 @@ def test_the_console_on_a_port_in_use_prints_no_token(settled: str, tmp_path: Pa
     err = _one_line(done, 2)
     assert f"cannot listen on 127.0.0.1:{port}" in err
     assert done.stdout == b""  # no address, no sign-in token for a server that never ran
+
+
+def _app(tmp_path: Path, url: str) -> str:
+    """An application module in ``tmp_path`` (the command's working directory) whose
+    Outbox is on ``url``; its ``--app`` spelling."""
+    (tmp_path / "shopapp.py").write_text(
+        f"from outbox import Outbox\n\noutbox = Outbox({url!r}, auto_migrate=False)\n"
+    )
+    return "shopapp:outbox"
+
+
+def test_a_db_or_schema_that_is_not_the_apps_is_refused(settled: str, tmp_path: Path) -> None:
+    # --app names the database; a --db naming another used to be silently not used, so
+    # an operator "pausing on staging" paused on the application's database.
+    app = _app(tmp_path, settled)
+    other = tmp_path / "staging.sqlite3"
+    before = _tables(settled)
+    pause = ["endpoint", "pause", "payments", "--note", "n"]
+    err = _one_line(_outbox("--app", app, "--db", f"sqlite:///{other}", *pause, cwd=tmp_path), 2)
+    assert f"--app {app} is on " in err and "not the --db given" in err
+    err = _one_line(_outbox("--app", app, *pause, "--schema", "elsewhere", cwd=tmp_path), 2)
+    assert "not elsewhere" in err
+    assert _tables(settled) == before
+    assert not other.exists()
+
+
+def test_a_db_that_is_the_apps_is_accepted_and_the_environment_is_not_read(
+    settled: str, tmp_path: Path
+) -> None:
+    app = _app(tmp_path, settled)
+    same = settled
+    if settled.startswith("sqlite:///"):  # the same file, spelled relative to the cwd
+        same = "sqlite:///" + os.path.relpath(settled.removeprefix("sqlite:///"), tmp_path)
+    done = _outbox("--app", app, "--db", same, "status", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # OUTBOX_DB in the environment is a deployment's setting, not the operator's word.
+    elsewhere = {"OUTBOX_DB": f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"}
+    done = _outbox("--app", app, "endpoint", "pause", "payments", "--note", "n",
+                   "--operator", "ops-bob", cwd=tmp_path, env=elsewhere)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert _tables(settled)["audit"] == [("pause", "ops-bob")]
+    assert not (tmp_path / "elsewhere.sqlite3").exists()

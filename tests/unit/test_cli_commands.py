@@ -47,3 +47,19 @@ def test_an_unknown_command_is_still_a_usage_error() -> None:
     ctx = main.make_context("outbox", ["status"])
     assert main.get_command(ctx, "no-such-command") is None
     assert isinstance(main.get_command(ctx, "reconcile"), click.Group)
+
+
+def test_dispatch_children_get_the_db_the_operator_typed_not_the_environments() -> None:
+    from outbox.cli.dispatching import _child_args
+    from outbox.cli.support import Context
+
+    typed = Context()
+    typed.db, typed.app = "sqlite:///o.sqlite3", "shopapp:outbox"
+    assert _child_args(typed)[-4:] == ["--db", "sqlite:///o.sqlite3", "--app", "shopapp:outbox"]
+    # From OUTBOX_DB: the children inherit it; on their command line it would become the
+    # operator's word (refused beside another --app database) and show a password in ps.
+    inherited = Context()
+    inherited.db, inherited.db_env = "postgresql://u:secret@127.0.0.1/db", "OUTBOX_DB"
+    inherited.app = "shopapp:outbox"
+    assert "--db" not in _child_args(inherited)
+    assert _child_args(inherited)[-2:] == ["--app", "shopapp:outbox"]
