@@ -223,13 +223,24 @@ def test_durations_take_ascii_digits_only(settled: str, tmp_path: Path) -> None:
     [
         ("postgresql+psycopg://postgres@127.0.0.1:abc/test", "not a database URL"),
         ("sqlite+aiosqlite:///{tmp}/o.sqlite3", "unsupported driver 'sqlite+aiosqlite'"),
+        # The driver would ignore it, with SQLAlchemy's two-line warning on stderr.
+        ("sqlite:///{tmp}/o.sqlite3?timeuot=5", "the SQLite driver takes no 'timeuot' URL"),
     ],
-    ids=["port-not-a-number", "async-driver"],
+    ids=["port-not-a-number", "async-driver", "argument-the-driver-ignores"],
 )
-def test_a_url_outbox_cannot_use_is_a_usage_error(tmp_path: Path, url: str, says: str) -> None:
-    done = _outbox("--db", url.format(tmp=tmp_path), "status", cwd=tmp_path)
+@pytest.mark.parametrize("command", ["status", "migrate"])
+def test_a_url_outbox_cannot_use_is_a_usage_error(
+    tmp_path: Path, url: str, says: str, command: str
+) -> None:
+    done = _outbox("--db", url.format(tmp=tmp_path), command, cwd=tmp_path)
     assert says in _one_line(done, 2)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # migrate created no file either
+
+
+def test_a_device_is_not_called_missing(tmp_path: Path) -> None:
+    err = _one_line(_outbox("--db", "sqlite:////dev/null", "status", cwd=tmp_path), 3)
+    assert "/dev/null is not a regular file" in err
+    assert "does not exist" not in err and "to create it" not in err
 
 
 def test_a_path_the_system_refuses_is_a_database_error_that_creates_nothing(
