@@ -74,6 +74,7 @@ def _reconciler(obj: Context) -> Any:
     envvar="OUTBOX_APP",
     help="module:attr naming the application's Outbox (endpoints, credentials).",
 )
+@click.option("--keys", help="module:attr naming the key ring for encrypted rows (or OUTBOX_KEYS).")
 @click.option(
     "--log-level",
     type=click.Choice(_LOG_LEVELS, case_sensitive=False),
@@ -94,18 +95,21 @@ def main(
     db: str | None,
     schema: str | None,
     app: str | None,
+    keys: str | None,
     log_level: str,
     log_format: str,
     debug: bool,
 ) -> None:
     """A durable, client-side operation outbox for HTTP integrations.
 
-    --db, --schema, --app and --debug may come before or after the command.
+    --db, --schema, --app, --keys and --debug may come before or after the command.
     """
     # Piped or captured output: never cut IDs to an 80-column guess; operators copy them.
     out.width = None if sys.stdout.isatty() else 4096  # type: ignore[assignment]
     obj = ctx.ensure_object(Context)
     obj.db, obj.schema, obj.app, obj.debug = db, schema, app, debug
+    if keys is not None:
+        obj.keys = keys  # over OUTBOX_KEYS, as a --keys after the command is
     obj.log_level, obj.log_format = log_level, log_format
     if db is not None and ctx.get_parameter_source("db") is click.core.ParameterSource.ENVIRONMENT:
         obj.db_env = next((name for name in DB_ENVVARS if os.environ.get(name)), None)

@@ -55,6 +55,10 @@ def test_show_says_which_key_is_missing_and_decrypts_with_it(tmp_path: Path, db:
     seen = run(tmp_path, ["show", "pay-0", "--db", db, "--keys", "ringmod:old"])
     assert seen.returncode == 0, seen.stderr
     assert f'body: {{"card": "{PLANTED}"}}' in seen.stdout
+    # Before the command, as --db and --app may be (it was "No such option").
+    first = run(tmp_path, ["--keys", "ringmod:old", "--db", db, "show", "pay-0"])
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == seen.stdout
     rec = run(tmp_path, ["reconcile", "show", "pay-0", "--db", db])
     assert "encrypted: key k1 not available" in rec.stdout + rec.stderr
 
