@@ -185,7 +185,7 @@ def target_options(
                 "older_than": older_than,
                 "newer_than": newer_than,
             }
-            flags = {"dry_run": dry_run, "yes": yes}
+            flags = {"dry_run": dry_run, "yes": yes, "verbose": verbose}
             selection = _selection(operation_id, every, tenant, filters, flags)
             target = Target(operation_id, tenant, selection, dry_run, yes, verbose)
             return fn(*args, target=target, **kwargs)
@@ -435,7 +435,8 @@ def cancel(
 ) -> None:
     """Cancel a pending operation that was never sent (or, with --all, every match)."""
     filters = {"endpoint": endpoint, "older_than": older_than, "newer_than": newer_than}
-    selection = _selection(operation_id, every, tenant, filters, {"dry_run": dry_run, "yes": yes})
+    flags = {"dry_run": dry_run, "yes": yes, "verbose": verbose}
+    selection = _selection(operation_id, every, tenant, filters, flags)
     if selection is not None:
         target = Target(operation_id, tenant, selection, dry_run, yes, verbose)
         _run_bulk(obj, "cancel", target, as_json=as_json,

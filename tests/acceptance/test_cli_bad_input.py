@@ -182,6 +182,20 @@ def test_keys_shred_refuses_a_zero_age(settled: str, tmp_path: Path) -> None:
     assert _tables(settled) == before
 
 
+@pytest.mark.parametrize(
+    "command", [["cancel"], ["reconcile", "resolve", "--as", "failed"]], ids=["cancel", "resolve"]
+)
+def test_verbose_goes_with_all_like_the_other_bulk_flags(
+    settled: str, tmp_path: Path, command: list[str]
+) -> None:
+    # It was accepted with one operation and did nothing, unlike --dry-run or --yes.
+    before = _tables(settled)
+    for flag in ("-v", "--verbose"):
+        done = _outbox("--db", settled, *command, "pay-1", flag, "--note", "n", cwd=tmp_path)
+        assert "--verbose go with --all, not with one operation" in _one_line(done, 2)
+    assert _tables(settled) == before
+
+
 @pytest.mark.parametrize("command", [["audit"], ["reconcile", "list"]])
 def test_an_offset_past_what_the_database_counts_is_a_usage_error(
     settled: str, tmp_path: Path, command: list[str]
