@@ -6,7 +6,6 @@ import os
 import re
 import sqlite3
 import stat
-import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import SAWarning
+from sqlalchemy.util import asbool
 
 from outbox.errors import ConfigurationError, SchemaError, StoreError
 from outbox.store.busy import begin_write
@@ -240,38 +239,42 @@ def create_engine(
         parsed = _sqlite_uri(parsed)
         path = sqlite_path(parsed)
         read_only = parsed.query.get("mode") == "ro"
-        engine = _sqlite_engine(parsed, kwargs)  # connects on first use: nothing opened yet
+        _check_sqlite_args(parsed)
         if path is not None:
             check_sqlite_file(path, must_exist=read_only)
             if not read_only:
                 if create_file:
                     create_private_file(path)
                 elif not path.is_file():
-                    missing = not path.exists()
                     raise SchemaError(
-                        f"no outbox database at {parsed.render_as_string(hide_password=True)}: "
-                        f"{path} {'does not exist' if missing else 'is not a regular file'}",
-                        missing=missing,
+                        f"no outbox database at "
+                        f"{parsed.render_as_string(hide_password=True)}: {path} does not exist",
+                        missing=True,
                     )
+        engine = sa_create_engine(parsed, **kwargs)
         configure_sqlite(engine, read_only=read_only)
     _dispose_in_forked_children(engine)
     return engine
 
 
-def _sqlite_engine(url: URL, kwargs: dict[str, Any]) -> Engine:
-    """SQLAlchemy's engine; a URL argument the driver would ignore (with a warning on
-    stderr) is refused instead: the operator meant something by it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="Query string argument", category=SAWarning)
-        try:
-            return sa_create_engine(url, **kwargs)
-        except SAWarning as exc:
-            named = re.search(r"argument\(s\) (.+?) are not accepted", str(exc))
-            raise ConfigurationError(
-                f"{url.render_as_string(hide_password=True)}: the SQLite driver takes no "
-                f"{named.group(1) if named else 'such'} URL argument (SQLite's own URI "
-                "arguments need uri=true in the URL)"
-            ) from None
+#: The URL arguments SQLAlchemy's pysqlite dialect passes to the driver; without
+#: ``uri=true`` it drops any other (with a warning).
+_PYSQLITE_ARGS = frozenset(
+    {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
+)
+
+
+def _check_sqlite_args(url: URL) -> None:
+    """Refuse a URL argument the driver would ignore: the operator meant something by it."""
+    if asbool(url.query.get("uri", False)):
+        return  # the rest are SQLite's own URI arguments
+    ignored = sorted(set(url.query) - _PYSQLITE_ARGS)
+    if ignored:
+        raise ConfigurationError(
+            f"{url.render_as_string(hide_password=True)}: the SQLite driver takes no "
+            f"{', '.join(map(repr, ignored))} URL argument (SQLite's own URI arguments need "
+            "uri=true in the URL)"
+        )
 
 
 def create_async_engine(url: str | URL = DEFAULT_URL, **kwargs: Any) -> AsyncEngine:

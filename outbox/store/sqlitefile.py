@@ -44,6 +44,8 @@ def check_sqlite_file(path: Path, *, must_exist: bool = False) -> None:
     their locks (see the module docstring)."""
     if path.is_dir():
         raise StoreError(f"{path} is a directory, not a database file")
+    if path.exists() and not path.is_file():  # a device, a FIFO (which would block), a socket
+        raise StoreError(f"{path} is not a regular file (nothing was changed)")
     if not path.exists():
         if must_exist:
             raise StoreError(f"{path} does not exist (opened read-only: nothing was created)")

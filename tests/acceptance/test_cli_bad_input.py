@@ -251,8 +251,10 @@ def test_a_url_outbox_cannot_use_is_a_usage_error(
     assert list(tmp_path.iterdir()) == []  # migrate created no file either
 
 
-def test_a_device_is_not_called_missing(tmp_path: Path) -> None:
-    err = _one_line(_outbox("--db", "sqlite:////dev/null", "status", cwd=tmp_path), 3)
+@pytest.mark.parametrize("command", ["status", "migrate"])
+def test_a_device_is_not_called_missing_nor_migrated(tmp_path: Path, command: str) -> None:
+    # status said "does not exist ... to create it"; migrate "created" the schema in it.
+    err = _one_line(_outbox("--db", "sqlite:////dev/null", command, cwd=tmp_path), 3)
     assert "/dev/null is not a regular file" in err
     assert "does not exist" not in err and "to create it" not in err
 
