@@ -53,8 +53,19 @@ LATE_SECONDS = 0.025
 #: Refusals in the last second below which (or below ``Throttle.tolerance`` of the
 #: answers) a refusal that names no rate and no long wait throttles nothing.
 MIN_REFUSALS = 3
-#: In-flight permits are leased for this long (renewed every PERIOD).
+#: In-flight permits admit requests for this long after a lease began (renewed every
+#: PERIOD); the database keeps them longer (:func:`permit_lease_ms`).
 PERMIT_LEASE_MS = 3000
+
+
+def permit_lease_ms(endpoint: Endpoint) -> int:
+    """How long the database keeps a lease of in-flight permits: past the time they
+    admit requests, by the longest a request admitted last stays on the wire (its whole
+    ``timeout``) and a PERIOD of slack. Renewals then only admit more: a request on the
+    wire keeps its permit however late they are (a held write lock, a stalled process),
+    and no other dispatcher can lease it meanwhile. The price: a dead dispatcher's
+    permits come back after this, not after PERMIT_LEASE_MS."""
+    return PERMIT_LEASE_MS + math.ceil((endpoint.timeout + PERIOD) * 1000)
 
 
 class _Gate:
@@ -243,8 +254,8 @@ class Limits:
         try:
             permits = await self._run_db(
                 self._store.lease_slots, name=gate.endpoint.name, owner=self._owner,
-                now_ms=self._wall_ms(), want=want, limit=limit, lease_ms=PERMIT_LEASE_MS,
-                in_use=gate.in_flight,
+                now_ms=self._wall_ms(), want=want, limit=limit,
+                lease_ms=permit_lease_ms(gate.endpoint), in_use=gate.in_flight,
             )  # fmt: skip
         except (StoreError, DBAPIError) as exc:
             self._warn(exc)

@@ -9,6 +9,7 @@ the receiver holds every effect (or ``until_empty``), then the records are read.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from outbox import (
     State,
 )
 from outbox.classify import rate_hint
+from outbox.dispatch.limits import PERIOD, PERMIT_LEASE_MS, Limits
 from outbox.testing.receiver import Receiver, RemoteReceiver
 
 
@@ -127,6 +129,37 @@ def test_max_in_flight_is_kept_by_two_dispatchers_together(db_url: str, tmp_path
         open_now += step
         most = max(most, open_now)
     assert most <= 3
+
+
+def test_a_request_on_the_wire_keeps_its_permit_however_late_the_renewals(
+    db_url: str,
+) -> None:
+    # A dispatcher admits requests on its permits for PERMIT_LEASE_MS - PERIOD after the
+    # lease began, and one admitted last may stay on the wire for the endpoint's whole
+    # timeout. Its renewals can be late (a write lock held, the process stalled): the
+    # database must still hold its permit then, or another dispatcher leases it and the
+    # receiver has max_in_flight + 1 requests open (seen once, in the test above).
+    endpoint = _endpoint("http://127.0.0.1:9", max_in_flight=3)  # timeout 5 s
+
+    async def run_db(fn: Any, **kw: Any) -> Any:
+        return fn(**kw)
+
+    async def scenario(ob: Outbox) -> int:
+        one = Limits(store=ob.store, endpoints={"rx": endpoint}, owner="d1",
+                     clock=ob.clock, run_db=run_db, log=None)  # fmt: skip
+        leased_at = time.time_ns() // 1_000_000
+        for _ in range(3):
+            assert await one.admit(endpoint)
+        # No await from here on, so d1's renewals (every PERIOD) never run: stalled. A
+        # request admitted on these permits as late as they admit is on the wire until:
+        on_the_wire_until = leased_at + PERMIT_LEASE_MS - int(PERIOD * 1000) + 5_000
+        got = ob.store.lease_slots(name="rx", owner="d2", now_ms=on_the_wire_until - 1,
+                                   want=3, limit=3, lease_ms=3_000)  # fmt: skip
+        await one.close()
+        return int(got)
+
+    with _outbox(db_url, endpoint) as ob:
+        assert asyncio.run(scenario(ob)) == 0
 
 
 # --------------------------------------------------------------------------- throttle
