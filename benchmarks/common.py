@@ -270,13 +270,13 @@ def fmt(value: float | None, unit: str = "") -> str:
 @contextlib.contextmanager
 def process_gc(enabled: bool = True) -> Iterator[None]:
     """The collector settings of an ``outbox dispatch`` process for the block
-    (``cli_support.settle_gc_for_dispatch``: start-up frozen, the youngest generation
+    (``cli_process.settle_gc_for_dispatch``: start-up frozen, the youngest generation
     collected every 10,000 allocations), then the interpreter's defaults back. The
     throughput phase runs every contender, raw clients and dispatchers alike, this way
     (``--gc default``: the interpreter's own settings for all of them)."""
     import gc
 
-    from outbox.cli.support import DISPATCH_GC_THRESHOLD
+    from outbox.cli.process import DISPATCH_GC_THRESHOLD
 
     if not enabled:
         yield

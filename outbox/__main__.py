@@ -9,7 +9,7 @@ modules. Two things that cost it time buy it nothing:
   still frees everything else); it is switched off for the start-up and switched back on
   by every command that is not a read (``outbox.cli.support.command``), so a dispatcher
   or the console runs with it; ``dispatch`` then freezes what start-up built and
-  collects the youngest generation less often (``cli_support.settle_gc_for_dispatch``);
+  collects the youngest generation less often (``cli_process.settle_gc_for_dispatch``);
 * the interpreter's teardown of every module at exit. Once a read command has returned,
   closed its database connection (the click context's close) and its output is flushed,
   the process ends with ``os._exit``. Anything else (``dispatch``, ``console``,
@@ -27,9 +27,9 @@ from typing import NoReturn
 
 
 def main() -> NoReturn:
-    from outbox.cli import support as cli_support
+    from outbox.cli import process as cli_process
 
-    cli_support.pause_gc_for_startup()
+    cli_process.pause_gc_for_startup()
     from outbox.cli import main as command
 
     try:
@@ -38,7 +38,7 @@ def main() -> NoReturn:
         code = exc.code
     else:  # pragma: no cover - click's standalone mode always exits
         code = 0
-    if not cli_support.ran_read_command():
+    if not cli_process.ran_read_command():
         sys.exit(code)
     if code is None:
         status = 0

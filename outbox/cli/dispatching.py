@@ -11,13 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from outbox.cli.support import (
-    EXIT_USAGE,
-    Context,
-    command,
-    fail,
-    settle_gc_for_dispatch,
-)
+from outbox.cli.process import settle_gc_for_dispatch
+from outbox.cli.support import EXIT_USAGE, Context, command, fail
 from outbox.errors import ConfigurationError, StoreError
 
 if TYPE_CHECKING:

@@ -11,21 +11,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from outbox.cli.support import DISPATCH_GC_THRESHOLD
+from outbox.cli.process import DISPATCH_GC_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import gc, sys
-from outbox.cli import support as cli_support
+from outbox.cli import process as cli_process
 from outbox.cli import main
 if sys.argv[1] == "entry":
-    cli_support.pause_gc_for_startup()
+    cli_process.pause_gc_for_startup()
 try:
     main(sys.argv[2:])
 except SystemExit:
     pass
-print(gc.isenabled(), cli_support.ran_read_command())
+print(gc.isenabled(), cli_process.ran_read_command())
 print(gc.get_freeze_count() > 0, gc.get_threshold()[0])
 """
 

@@ -28,7 +28,7 @@ def test_a_command_loads_its_own_module_and_help_loads_all() -> None:
         "from outbox.cli import main\n"
         "ctx = main.make_context('outbox', ['status'])\n"
         "main.get_command(ctx, 'status')\n"
-        "helpers = {'outbox.cli.support', 'outbox.cli.demo'}\n"
+        "helpers = {'outbox.cli.support', 'outbox.cli.process', 'outbox.cli.demo'}\n"
         "def loaded():\n"
         "    return sorted(m for m in sys.modules\n"
         "                  if m.startswith('outbox.cli.') and m not in helpers)\n"
