@@ -163,10 +163,12 @@ def _child_args(obj: Context) -> list[str]:
     every process's command line, and beside ``--app`` it is not the operator's word."""
     args = ["--log-level", obj.log_level, "--log-format", obj.log_format]
     db = obj.db if obj.db_env is None else None
-    for option, value in (("--db", db), ("--schema", obj.schema), ("--app", obj.app)):
+    schema = obj.schema if not obj.schema_env else None
+    keys = obj.keys if not obj.keys_env else None
+    for option, value in (("--db", db), ("--schema", schema), ("--app", obj.app), ("--keys", keys)):
         if value is not None:
             args += [option, value]
-    return args
+    return [*args, "--debug"] if obj.debug else args
 
 
 @contextmanager

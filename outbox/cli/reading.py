@@ -31,20 +31,25 @@ from outbox.cli.root import _emit_json, _filter_words, _reconciler, json_option,
 @command(main)
 def migrate(obj: Context) -> None:
     """Create or upgrade the outbox tables (the only command that creates anything)."""
-    from outbox.store.engine import create_engine
+    from outbox.store.engine import create_engine, schema_of
     from outbox.store.migrate import HEAD, current_revision, upgrade
 
+    schema = obj.schema
     if obj.db is None and obj.app:
-        url: Any = obj.outbox().engine.url
+        app = obj.outbox()
+        url: Any = app.engine.url
+        schema = schema_of(app.engine)  # the app's (a --schema that is not was refused)
     elif obj.db is None:
         raise click.UsageError("name the database: --db URL (or set OUTBOX_DB)")
     else:
-        url = obj.db
-    engine = create_engine(url, schema=obj.schema)
+        # A direct URL for the DDL while the application goes through pgbouncer: the
+        # URL is migrated, and messages name it, not the application.
+        url, obj.app = obj.db, None
+    engine = create_engine(url, schema=schema)
     try:
         before = current_revision(engine)
         upgrade(engine)
-        where = f" in schema {obj.schema}" if obj.schema else ""
+        where = f" in schema {schema}" if schema else ""
         click.echo(f"outbox schema at revision {HEAD}{where} (was {before or 'empty'})")
     finally:
         engine.dispose()

@@ -109,10 +109,12 @@ def main(
     obj = ctx.ensure_object(Context)
     obj.db, obj.schema, obj.app, obj.debug = db, schema, app, debug
     if keys is not None:
-        obj.keys = keys  # over OUTBOX_KEYS, as a --keys after the command is
+        obj.keys, obj.keys_env = keys, False  # over OUTBOX_KEYS, as after the command
     obj.log_level, obj.log_format = log_level, log_format
-    if db is not None and ctx.get_parameter_source("db") is click.core.ParameterSource.ENVIRONMENT:
+    from_env = click.core.ParameterSource.ENVIRONMENT
+    if db is not None and ctx.get_parameter_source("db") is from_env:
         obj.db_env = next((name for name in DB_ENVVARS if os.environ.get(name)), None)
+    obj.schema_env = schema is not None and ctx.get_parameter_source("schema") is from_env
     ctx.call_on_close(obj.close)
 
 

@@ -77,9 +77,13 @@ class Context:
         #: The environment variable the URL came from, if it came from one.
         self.db_env: str | None = None
         self.schema: str | None = None
+        #: The schema came from OUTBOX_SCHEMA, not the command line.
+        self.schema_env = False
         self.app: str | None = None
         #: ``module:attr`` naming the key ring (encryption at rest), or OUTBOX_KEYS.
         self.keys: str | None = os.environ.get("OUTBOX_KEYS") or None
+        #: The key ring came from OUTBOX_KEYS, not the command line.
+        self.keys_env = self.keys is not None
         self.debug = False
         self.log_level = "info"
         self.log_format = "auto"
@@ -94,8 +98,13 @@ class Context:
         """The application's Outbox (``--app``) or one on ``--db``; never creates."""
         if self._outbox is None:
             if self.app:
-                self._outbox = load_app(self.app)
-                self._same_database(self._outbox)
+                app = load_app(self.app)
+                try:
+                    self._same_database(app)
+                except BaseException:
+                    app.close()
+                    raise
+                self._outbox = app
                 if self.keys:  # the operator's key ring, over the application's
                     from outbox.store.sealing import Sealer
 
@@ -114,24 +123,34 @@ class Context:
 
     def _same_database(self, app: Outbox) -> None:
         """With ``--app``, the application's Outbox names the database: a ``--db`` or
-        ``--schema`` given on the command line that names another is refused, rather
-        than silently not used (``OUTBOX_DB`` from the environment is not used)."""
+        ``--schema`` typed on the command line that names another is refused rather
+        than silently not used (OUTBOX_DB and OUTBOX_SCHEMA are not the operator's word
+        beside ``--app``; they are not read)."""
         from outbox.store.engine import same_database, schema_of
 
-        theirs = app.engine.url
-        given = self.db if self.db_env is None else None  # OUTBOX_DB is not the operator's
+        theirs, given = app.engine.url, self.typed_db()
         if given is not None and not same_database(given, theirs):
             shown = theirs.render_as_string(hide_password=True)
             raise click.UsageError(
                 f"--app {self.app} is on {shown}, not the --db given: "
                 "give one of them (the application names its database)"
             )
-        if self.schema is not None and self.schema != schema_of(app.engine):
+        known = schema_of(app.engine)
+        if self.schema is not None and not self.schema_env and self.schema != known:
+            if known is None:
+                raise click.UsageError(
+                    f"--app {self.app} names no schema to outbox (its connection's "
+                    f"search_path decides): --schema {self.schema} is not used; drop it"
+                )
             raise click.UsageError(
-                f"--app {self.app} keeps its tables in schema "
-                f"{schema_of(app.engine) or '(the default search_path)'}, not {self.schema}: "
-                "give one of them"
+                f"--app {self.app} keeps its tables in schema {known}, not "
+                f"{self.schema}: give one of them"
             )
+
+    def typed_db(self) -> str | None:
+        """The URL the operator gave on the command line, if any (beside ``--app``,
+        OUTBOX_DB is not used, so it is not printed either)."""
+        return self.db if self.db_env is None or not self.app else None
 
     def close(self) -> None:
         if self._outbox is not None:
@@ -139,12 +158,13 @@ class Context:
 
     def where(self) -> str:
         """The database, as it may be printed (password hidden), with its schema."""
-        if self.db is None:
+        db = self.typed_db()
+        if db is None:
             return f"the database of --app {self.app}" if self.app else "the database"
         try:
             from sqlalchemy.engine import make_url
 
-            shown = make_url(self.db).render_as_string(hide_password=True)
+            shown = make_url(db).render_as_string(hide_password=True)
         except Exception:
             shown = "the --db URL"
         return shown + (f" (schema {self.schema})" if self.schema else "")
@@ -152,15 +172,16 @@ class Context:
     def command_hint(self, *args: str) -> str:
         """``outbox ARGS --db URL [--schema S]``, quoted so that pasting it runs it."""
         command = " ".join(shlex.quote(w) for w in ("outbox", *args))
-        if self.db is not None:
+        typed = self.typed_db()
+        if typed is not None:
             try:
                 from sqlalchemy.engine import make_url
 
-                has_password = make_url(self.db).password is not None
+                has_password = make_url(typed).password is not None
             except Exception:
                 has_password = False
             # Never print a secret: with a password in the URL, point at where it is.
-            db = f'"${self.db_env or DB_ENVVARS[0]}"' if has_password else shlex.quote(self.db)
+            db = f'"${self.db_env or DB_ENVVARS[0]}"' if has_password else shlex.quote(typed)
             command += f" --db {db}"
         elif self.app is not None:
             command += f" --app {shlex.quote(self.app)}"
@@ -243,6 +264,8 @@ def _setter(field: str) -> Callable[[click.Context, click.Parameter, Any], None]
         setattr(obj, field, value)
         if field == "db":
             obj.db_env = None
+        elif field in ("schema", "keys"):
+            setattr(obj, f"{field}_env", False)
 
     return store
 

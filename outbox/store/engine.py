@@ -79,13 +79,26 @@ _ASYNC_DRIVERS = frozenset({"aiosqlite", "asyncpg", "psycopg_async", "pysqlite_a
 
 
 def same_database(a: str | URL, b: str | URL) -> bool:
-    """Whether two URLs name one database (a SQLite file by its resolved path)."""
+    """Whether two URLs name one database: a SQLite file by its resolved path; a
+    PostgreSQL database by its user, server and name (the driver, the password and the
+    connection options aside; the port 5432 when none is given)."""
     first, second = normalize_url(a), normalize_url(b)
-    if first.get_backend_name() == second.get_backend_name() == "sqlite":
-        paths = sqlite_path(first), sqlite_path(second)
-        if paths[0] is not None and paths[1] is not None:
-            return paths[0].resolve() == paths[1].resolve()
-    return first.render_as_string() == second.render_as_string()
+    if first.get_backend_name() != second.get_backend_name():
+        return False
+    if first.get_backend_name() == "sqlite":
+        one, other = sqlite_path(first), sqlite_path(second)
+        if one is None or other is None:
+            return False  # in memory: each engine's own database, never another's
+        return one.resolve() == other.resolve()
+    return _server(first) == _server(second)
+
+
+def _server(url: URL) -> tuple[str | None, ...]:
+    """What picks a PostgreSQL database, from the URL or libpq's query arguments."""
+    query = {k: str(v) for k, v in url.query.items()}
+    port = url.port or query.get("port") or 5432
+    return (url.username or query.get("user"), url.host or query.get("host"), str(port),
+            url.database or query.get("dbname"), query.get("service"))  # fmt: skip
 
 
 def sqlite_path(url: URL) -> Path | None:

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, make_url, select
 
 from outbox.store.engine import create_engine
-from outbox.store.migrate import upgrade
+from outbox.store.migrate import HEAD, upgrade
 from outbox.store.tables import attempts, audit, endpoint_states, operations
 
 REPO = Path(__file__).resolve().parents[2]
@@ -305,7 +305,7 @@ def test_a_db_or_schema_that_is_not_the_apps_is_refused(settled: str, tmp_path: 
     err = _one_line(_outbox("--app", app, "--db", f"sqlite:///{other}", *pause, cwd=tmp_path), 2)
     assert f"--app {app} is on " in err and "not the --db given" in err
     err = _one_line(_outbox("--app", app, *pause, "--schema", "elsewhere", cwd=tmp_path), 2)
-    assert "not elsewhere" in err
+    assert "names no schema to outbox" in err and "--schema elsewhere is not used" in err
     assert _tables(settled) == before
     assert not other.exists()
 
@@ -317,12 +317,42 @@ def test_a_db_that_is_the_apps_is_accepted_and_the_environment_is_not_read(
     same = settled
     if settled.startswith("sqlite:///"):  # the same file, spelled relative to the cwd
         same = "sqlite:///" + os.path.relpath(settled.removeprefix("sqlite:///"), tmp_path)
+    else:  # the same database, spelled with the default port and another driver name
+        same = settled.replace("postgresql+psycopg://", "postgresql://").replace(":5432/", "/")
     done = _outbox("--app", app, "--db", same, "status", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    # OUTBOX_DB in the environment is a deployment's setting, not the operator's word.
-    elsewhere = {"OUTBOX_DB": f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"}
+    # OUTBOX_DB and OUTBOX_SCHEMA in the environment are a deployment's settings, not the
+    # operator's word.
+    elsewhere = {"OUTBOX_DB": f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}",
+                 "OUTBOX_SCHEMA": "elsewhere"}  # fmt: skip
     done = _outbox("--app", app, "endpoint", "pause", "payments", "--note", "n",
                    "--operator", "ops-bob", cwd=tmp_path, env=elsewhere)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert _tables(settled)["audit"] == [("pause", "ops-bob")]
     assert not (tmp_path / "elsewhere.sqlite3").exists()
+
+
+def test_a_postgres_apps_schema_is_the_one_every_command_and_migrate_use(
+    pg_url: str, tmp_path: Path
+) -> None:
+    # An application keeping its tables in schema S (Outbox(url, schema=S)): migrate
+    # --app migrated the connection's default search_path instead of S.
+    from tests.conftest import POSTGRES_URL
+
+    schema = str(make_url(pg_url).query["options"]).split("search_path=")[1]  # fresh
+    in_schema = create_engine(POSTGRES_URL, schema=schema)
+    upgrade(in_schema)
+    in_schema.dispose()
+    (tmp_path / "shopapp.py").write_text(
+        "from outbox import Outbox\n\n"
+        f"outbox = Outbox({POSTGRES_URL!r}, schema={schema!r}, auto_migrate=False)\n"
+    )
+    done = _outbox("--app", "shopapp:outbox", "migrate", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.decode()
+    assert said == f"outbox schema at revision {HEAD} in schema {schema} (was {HEAD})\n"
+    err = _one_line(_outbox("--app", "shopapp:outbox", "--schema", "other", "status",
+                            cwd=tmp_path), 2)  # fmt: skip
+    assert f"keeps its tables in schema {schema}, not other" in err
+    done = _outbox("--app", "shopapp:outbox", "--schema", schema, "status", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr

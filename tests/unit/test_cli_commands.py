@@ -63,3 +63,11 @@ def test_dispatch_children_get_the_db_the_operator_typed_not_the_environments() 
     inherited.app = "shopapp:outbox"
     assert "--db" not in _child_args(inherited)
     assert _child_args(inherited)[-2:] == ["--app", "shopapp:outbox"]
+    # The same for the schema and the key ring; the ones typed, and --debug, go on.
+    inherited.schema, inherited.schema_env = "from_env", True
+    inherited.keys, inherited.keys_env = "env.ring:keys", True
+    assert _child_args(inherited)[-2:] == ["--app", "shopapp:outbox"]
+    typed.schema, typed.keys, typed.debug = "shop", "shop.secrets:ring", True
+    assert _child_args(typed)[4:] == ["--db", "sqlite:///o.sqlite3", "--schema", "shop",
+                                      "--app", "shopapp:outbox", "--keys", "shop.secrets:ring",
+                                      "--debug"]  # fmt: skip
