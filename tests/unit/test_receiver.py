@@ -24,6 +24,7 @@ from outbox.testing.receiver import (
     RemoteReceiver,
     SpawnOptions,
 )
+from outbox.testing.receiver.remote import spawn_argv
 
 
 @pytest.fixture
@@ -504,8 +505,24 @@ def test_spawn_refuses_bad_options_before_or_as_the_child_starts(tmp_path: Path)
     with pytest.raises(TypeError, match="unexpected options: bogus"):
         Receiver.spawn(tmp_path / "rx.db", bogus=1)  # type: ignore[call-arg]
     assert not (tmp_path / "rx.db").exists()  # nothing was started or created
-    with pytest.raises(ValueError, match="dialect must be one of"):
-        Receiver.spawn(tmp_path / "rx.db", dialect="nope")
-    # A combination only the receiver checks: its refusal is the child's one line.
-    with pytest.raises(RuntimeError, match="needs key_ttl_seconds"):
-        Receiver.spawn(tmp_path / "rx.db", flaw="forgets_keys_after")
+    # As the in-process Receiver refuses them, before a child is started.
+    for bad, says in [
+        ({"dialect": "nope"}, "dialect must be one of"),
+        ({"flaw": "bogus"}, "flaw must be one of"),
+        ({"synchronous": "SOMETIMES"}, "synchronous must be one of"),
+        ({"flaw": "forgets_keys_after"}, "needs key_ttl_seconds"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            Receiver(tmp_path / "in.db", **bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=says):
+            Receiver.spawn(tmp_path / "rx.db", **bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "rx.db").exists()
+
+
+def test_the_command_leaves_receivers_defaults_to_the_receiver(tmp_path: Path) -> None:
+    # Only what spawn was given crosses as a flag; left out, Receiver's default holds.
+    assert spawn_argv({}) == []
+    assert spawn_argv({"tenant_header": "-Org", "key_ttl_seconds": 1.5, "port": 80}) == [
+        "--tenant-header=-Org",
+        "--key-ttl-seconds=1.5",
+    ]

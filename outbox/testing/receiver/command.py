@@ -12,10 +12,10 @@ from typing import cast
 
 from outbox.testing.receiver.dialects import DIALECTS
 from outbox.testing.receiver.faults import RandomFaults
-from outbox.testing.receiver.inprocess import SYNC_LEVELS, Receiver
+from outbox.testing.receiver.inprocess import Receiver
 from outbox.testing.receiver.ratelimit import HEADER_STYLES, REFUSAL_STATUSES, RateLimitSpec
 from outbox.testing.receiver.remote import SpawnOptions
-from outbox.testing.receiver.service import FLAWS
+from outbox.testing.receiver.service import FLAWS, SYNC_LEVELS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,15 +25,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="A local HTTP receiver with idempotency receipts and fault injection.",
     )
     parser.add_argument("--db", required=True, help="SQLite file (created if missing)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    # The SpawnOptions flags: left out, Receiver's own default holds (one place for it).
+    unset = argparse.SUPPRESS
+    parser.add_argument("--host", default=unset, help="default 127.0.0.1")
+    parser.add_argument("--port", type=int, default=unset, help="default 0: a free port")
     parser.add_argument(
-        "--key-ttl-seconds", "--key-ttl", type=float, default=None, help="forget receipts after S s"
+        "--key-ttl-seconds", "--key-ttl", type=float, default=unset, help="forget keys after S s"
     )
-    parser.add_argument("--tenant-header", default="X-Tenant")
-    parser.add_argument("--synchronous", default="FULL", choices=SYNC_LEVELS)
-    parser.add_argument("--flaw", default=None, choices=FLAWS, help="be wrong in this way")
-    parser.add_argument("--dialect", default="ietf", choices=sorted(DIALECTS))
+    parser.add_argument("--tenant-header", default=unset, help="default X-Tenant")
+    parser.add_argument("--synchronous", default=unset, choices=SYNC_LEVELS, help="default FULL")
+    parser.add_argument("--flaw", default=unset, choices=FLAWS, help="be wrong in this way")
+    parser.add_argument("--dialect", default=unset, choices=sorted(DIALECTS), help="default ietf")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
     # Every probability of RandomFaults, flagged as its to_argv() writes it.
     for f in fields(RandomFaults):
@@ -99,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     # Every SpawnOptions name is a flag of its name (spawn_argv writes them).
     values = {**vars(args), "random_faults": random_faults}
-    options = {name: values[name] for name in SpawnOptions.__optional_keys__}
+    options = {name: values[name] for name in SpawnOptions.__optional_keys__ if name in values}
     try:
         receiver = Receiver(args.db, **cast(SpawnOptions, options))
     except ValueError as exc:

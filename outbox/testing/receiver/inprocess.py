@@ -18,9 +18,13 @@ from outbox.testing.receiver.oracle import Oracle
 from outbox.testing.receiver.records import connect, init_db, mark_stuck
 from outbox.testing.receiver.remote import RemoteReceiver
 from outbox.testing.receiver.server import Server
-from outbox.testing.receiver.service import FLAWS, EffectHandler, Flaw, Service, Synchronous
-
-SYNC_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+from outbox.testing.receiver.service import (
+    EffectHandler,
+    Flaw,
+    Service,
+    Synchronous,
+    check_options,
+)
 
 
 class Receiver(Oracle):
@@ -62,12 +66,7 @@ class Receiver(Oracle):
         dialect: str = "ietf",
     ) -> None:
         self._dialect = dialect_named(dialect)
-        if synchronous not in SYNC_LEVELS:
-            raise ValueError(f"synchronous must be one of {SYNC_LEVELS}")
-        if flaw is not None and flaw not in FLAWS:
-            raise ValueError(f"flaw must be one of {FLAWS}")
-        if flaw == "forgets_keys_after" and key_ttl_seconds is None:
-            raise ValueError("flaw='forgets_keys_after' needs key_ttl_seconds")
+        check_options(synchronous=synchronous, flaw=flaw, key_ttl_seconds=key_ttl_seconds)
         self._flaw: Flaw | None = flaw
         self._tmpdir: str | None = None
         if db_path is None:

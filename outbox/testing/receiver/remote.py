@@ -21,7 +21,7 @@ from outbox.testing.receiver.dialects import dialect_named
 from outbox.testing.receiver.faults import Faults, RandomFaults
 from outbox.testing.receiver.oracle import Oracle
 from outbox.testing.receiver.records import json_bytes
-from outbox.testing.receiver.service import ADMIN_PREFIX, Flaw, Synchronous
+from outbox.testing.receiver.service import ADMIN_PREFIX, Flaw, Synchronous, check_options
 
 
 class SpawnOptions(TypedDict, total=False):
@@ -45,17 +45,22 @@ def spawn_argv(options: SpawnOptions) -> list[str]:
     unknown = sorted(options.keys() - SpawnOptions.__optional_keys__)
     if unknown:
         raise TypeError(f"spawn() got unexpected options: {', '.join(unknown)}")
+    # Refused here, as Receiver refuses them, not by the child's argument parser.
+    check_options(synchronous=options.get("synchronous", "FULL"), flaw=options.get("flaw"),
+                  key_ttl_seconds=options.get("key_ttl_seconds"))  # fmt: skip
     argv: list[str] = []
     for name, value in options.items():
         if name == "port" or value is None:
             continue
-        flag = "--" + name.replace("_", "-")
         if isinstance(value, RandomFaults):
             argv += value.to_argv()
-        elif name == "dialect":
-            argv += [flag, dialect_named(str(value)).name]  # refused here, not by the child
+            continue
+        if name == "dialect":
+            text = dialect_named(str(value)).name
         else:
-            argv += [flag, value if isinstance(value, str) else repr(value)]
+            text = value if isinstance(value, str) else repr(value)
+        # --name=value: a value that starts with "-" is not read as a flag.
+        argv.append(f"--{name.replace('_', '-')}={text}")
     return argv
 
 

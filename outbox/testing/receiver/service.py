@@ -29,6 +29,19 @@ Synchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
 #: Deliberate defects, for testing conformance checkers (see :class:`Receiver`).
 Flaw = Literal["ignores_key", "caches_request_id", "accepts_changed_payload", "forgets_keys_after"]
 FLAWS = ("ignores_key", "caches_request_id", "accepts_changed_payload", "forgets_keys_after")
+SYNC_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+def check_options(*, synchronous: str, flaw: str | None, key_ttl_seconds: float | None) -> None:
+    """The options a receiver refuses (ValueError), in this process or before one is
+    spawned."""
+    if synchronous not in SYNC_LEVELS:
+        raise ValueError(f"synchronous must be one of {SYNC_LEVELS}")
+    if flaw is not None and flaw not in FLAWS:
+        raise ValueError(f"flaw must be one of {FLAWS}")
+    if flaw == "forgets_keys_after" and key_ttl_seconds is None:
+        raise ValueError("flaw='forgets_keys_after' needs key_ttl_seconds")
+
 
 #: A pluggable effect: ``handler(conn, tenant, method, path, json_body) -> (status, body)``.
 #: It runs inside the transaction that records the effect row and completes the receipt;
