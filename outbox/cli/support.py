@@ -128,7 +128,7 @@ class Context:
         beside ``--app``; they are not read)."""
         from outbox.store.engine import same_database, schema_of
 
-        theirs, given = app.engine.url, self.typed_db()
+        theirs, given = app.engine.url, self.db_in_use()
         if given is not None and not same_database(given, theirs):
             shown = theirs.render_as_string(hide_password=True)
             raise click.UsageError(
@@ -147,9 +147,10 @@ class Context:
                 f"{self.schema}: give one of them"
             )
 
-    def typed_db(self) -> str | None:
-        """The URL the operator gave on the command line, if any (beside ``--app``,
-        OUTBOX_DB is not used, so it is not printed either)."""
+    def db_in_use(self) -> str | None:
+        """The URL the command works on, when it is one given to outbox: ``--db``, or
+        OUTBOX_DB without ``--app`` (beside ``--app`` the environment's is not used, so
+        it is neither compared nor printed). None: the application's, or none."""
         return self.db if self.db_env is None or not self.app else None
 
     def close(self) -> None:
@@ -158,7 +159,7 @@ class Context:
 
     def where(self) -> str:
         """The database, as it may be printed (password hidden), with its schema."""
-        db = self.typed_db()
+        db = self.db_in_use()
         if db is None:
             return f"the database of --app {self.app}" if self.app else "the database"
         try:
@@ -172,16 +173,16 @@ class Context:
     def command_hint(self, *args: str) -> str:
         """``outbox ARGS --db URL [--schema S]``, quoted so that pasting it runs it."""
         command = " ".join(shlex.quote(w) for w in ("outbox", *args))
-        typed = self.typed_db()
-        if typed is not None:
+        in_use = self.db_in_use()
+        if in_use is not None:
             try:
                 from sqlalchemy.engine import make_url
 
-                has_password = make_url(typed).password is not None
+                has_password = make_url(in_use).password is not None
             except Exception:
                 has_password = False
             # Never print a secret: with a password in the URL, point at where it is.
-            db = f'"${self.db_env or DB_ENVVARS[0]}"' if has_password else shlex.quote(typed)
+            db = f'"${self.db_env or DB_ENVVARS[0]}"' if has_password else shlex.quote(in_use)
             command += f" --db {db}"
         elif self.app is not None:
             command += f" --app {shlex.quote(self.app)}"
