@@ -160,6 +160,17 @@ def limits_by_endpoint(
     }
 
 
+class _EndpointTotal:
+    """A :class:`Figures` figure that is the sum of the :class:`EndpointFigures` field
+    of its name over every endpoint."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, figures: Figures, owner: type | None = None) -> int:
+        return sum(int(getattr(e, self._name)) for e in figures.endpoints.values())
+
+
 @dataclass(frozen=True)
 class Figures:
     """Every operator figure, computed once (:func:`figures`) and rendered by each view:
@@ -200,28 +211,12 @@ class Figures:
     #: counts are then None, not read); None when counted, or not asked for.
     settled_over: int | None = None
 
-    def _sum(self, name: str) -> int:
-        return sum(int(getattr(e, name)) for e in self.endpoints.values())
-
-    @property
-    def due(self) -> int:
-        return self._sum("due")
-
-    @property
-    def unsendable(self) -> int:
-        return self._sum("unsendable")
-
-    @property
-    def near_key_expiry(self) -> int:
-        return self._sum("near_key_expiry")
-
-    @property
-    def key_expired(self) -> int:
-        return self._sum("key_expired")
-
-    @property
-    def key_retention_unknown(self) -> int:
-        return self._sum("key_retention_unknown")
+    #: Totals over every endpoint's figures of the same name.
+    due = _EndpointTotal()
+    unsendable = _EndpointTotal()
+    near_key_expiry = _EndpointTotal()
+    key_expired = _EndpointTotal()
+    key_retention_unknown = _EndpointTotal()
 
     @property
     def reconciliation_queue(self) -> int:
