@@ -18,11 +18,13 @@ import httpx
 import pytest
 
 from outbox.testing.receiver import (
+    Faults,
     RandomFaults,
     Receiver,
     Refuse,
     RemoteReceiver,
     SpawnOptions,
+    Target,
 )
 from outbox.testing.receiver.remote import spawn_argv
 
@@ -244,6 +246,30 @@ def test_drop_after_commit_narrowed_and_random(rx: Receiver, client: httpx.Clien
     assert 0 < dropped < 20
     assert rx.effect_count() == 22
     assert sum(q.outcome == "fault:drop_after_commit" for q in rx.requests()) == dropped + 1
+
+
+def test_a_misspelt_fault_keyword_is_refused_and_adds_no_rule(
+    rx: Receiver, client: httpx.Client
+) -> None:
+    with pytest.raises(TypeError, match=r"drop_after_commit.*keys"):
+        rx.faults.drop_after_commit(keys="target")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"hang_after_commit.*paths"):
+        rx.faults.hang_after_commit(paths="/x")  # type: ignore[call-arg]
+    assert client.get("/__receiver/faults").json()["faults"] == []
+    rx.faults.drop_after_commit(key="target")  # the same call spelt right adds one
+    assert [f["key"] for f in client.get("/__receiver/faults").json()["faults"]] == ["target"]
+
+
+def test_every_fault_rule_takes_the_one_targeting_list() -> None:
+    """The keyword options a rule's targeting takes are :class:`Target`'s, for every
+    kind but the key-only ``stuck_in_progress`` and the global ``rate_limit``."""
+    kinds = ("drop_after_commit", "fail_before_work", "fail_after_commit",
+             "delay_after_commit", "hang_after_commit")  # fmt: skip
+    for kind in kinds:
+        params = inspect.signature(getattr(Faults, kind)).parameters
+        assert params["target"].kind is inspect.Parameter.VAR_KEYWORD, kind
+        assert "times" in params, kind
+    assert set(Target.__optional_keys__) == {"probability", "seed", "key", "path"}
 
 
 def test_fail_before_work_makes_no_effect(rx: Receiver, client: httpx.Client) -> None:

@@ -55,7 +55,7 @@ sockets), :mod:`.oracle` (reading the file), :mod:`.inprocess` (:class:`Receiver
 """
 
 from outbox.testing.receiver.command import main
-from outbox.testing.receiver.faults import Faults, RandomFaults
+from outbox.testing.receiver.faults import Faults, RandomFaults, Target
 from outbox.testing.receiver.inprocess import Receiver
 from outbox.testing.receiver.records import Effect, Receipt, RequestRecord
 from outbox.testing.receiver.remote import RemoteReceiver, SpawnOptions
@@ -72,5 +72,6 @@ __all__ = [
     "RemoteReceiver",
     "RequestRecord",
     "SpawnOptions",
+    "Target",
     "main",
 ]

@@ -8,7 +8,7 @@ import random
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from outbox.testing.receiver.ratelimit import RateLimitSpec, TokenBucket
 
@@ -64,15 +64,38 @@ AFTER_COMMIT_KINDS = frozenset(
 )
 
 
-def _targeting(
-    times: int | _Default | None, probability: float | None, seed: int | None,
-    key: str | None, path: str | None,
-) -> dict[str, Any]:  # fmt: skip
-    """The fields of a fault spec that say which requests it hits, shared by every kind;
-    ``times`` left at its default is 1, or unlimited when ``probability`` is given."""
+class Target(TypedDict, total=False):
+    """Which requests a fault rule hits, beyond ``times``: the keyword options every
+    :class:`Faults` rule takes (``stuck_in_progress`` and ``rate_limit`` aside)."""
+
+    #: Hit each matching request with this probability; ``times`` then defaults to
+    #: unlimited.
+    probability: float | None
+    #: Seeds the rule's own draws, for a run that repeats.
+    seed: int | None
+    #: Only requests with this Idempotency-Key.
+    key: str | None
+    #: Only requests to this path.
+    path: str | None
+
+
+def _targeting(kind: str, times: int | _Default | None, target: Target) -> dict[str, Any]:
+    """The fault spec of a ``kind`` rule: the fields that say which requests it hits
+    (``times`` left at its default is 1, or unlimited when ``probability`` is given)."""
+    unknown = sorted(target.keys() - Target.__optional_keys__)
+    if unknown:
+        raise TypeError(f"{kind}() got unexpected keyword arguments: {', '.join(unknown)}")
+    probability = target.get("probability")
     if times is _DEFAULT:
         times = None if probability is not None else 1
-    return {"times": times, "probability": probability, "seed": seed, "key": key, "path": path}
+    return {
+        "kind": kind,
+        "times": times,
+        "probability": probability,
+        "seed": target.get("seed"),
+        "key": target.get("key"),
+        "path": target.get("path"),
+    }
 
 
 class Faults:
@@ -89,20 +112,13 @@ class Faults:
         self._clear = clear
 
     def drop_after_commit(
-        self,
-        times: int | _Default | None = _DEFAULT,
-        *,
-        probability: float | None = None,
-        seed: int | None = None,
-        path: str | None = None,
-        key: str | None = None,
+        self, times: int | _Default | None = _DEFAULT, **target: Unpack[Target]
     ) -> None:
         """Commit the effect and receipt, then close the socket without a byte.
 
         ``times`` defaults to 1, or to unlimited when ``probability`` is given.
         """
-        self._submit({"kind": "drop_after_commit",
-                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
+        self._submit(_targeting("drop_after_commit", times, target))
 
     def fail_before_work(
         self,
@@ -110,14 +126,11 @@ class Faults:
         *,
         retry_after: str | None = "2",
         times: int | None = None,
-        probability: float | None = None,
-        seed: int | None = None,
-        key: str | None = None,
-        path: str | None = None,
+        **target: Unpack[Target],
     ) -> None:
         """Answer ``status`` (5xx or 429) before any work; ``times=None`` means always."""
-        self._submit({"kind": "fail_before_work", "status": status, "retry_after": retry_after,
-                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
+        spec = _targeting("fail_before_work", times, target)
+        self._submit({**spec, "status": status, "retry_after": retry_after})
 
     def fail_after_commit(
         self,
@@ -125,49 +138,30 @@ class Faults:
         *,
         times: int | _Default | None = _DEFAULT,
         stored: bool = False,
-        probability: float | None = None,
-        seed: int | None = None,
-        key: str | None = None,
-        path: str | None = None,
+        **target: Unpack[Target],
     ) -> None:
         """Commit the effect, then answer ``status``.
 
         With ``stored=True`` that error becomes the receipt's response, so every replay
         answers it too.
         """
-        self._submit({"kind": "fail_after_commit", "status": status, "stored": stored,
-                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
+        spec = _targeting("fail_after_commit", times, target)
+        self._submit({**spec, "status": status, "stored": stored})
 
     def delay_after_commit(
-        self,
-        seconds: float,
-        *,
-        times: int | _Default | None = _DEFAULT,
-        probability: float | None = None,
-        seed: int | None = None,
-        key: str | None = None,
-        path: str | None = None,
+        self, seconds: float, *, times: int | _Default | None = _DEFAULT, **target: Unpack[Target]
     ) -> None:
         """Commit, sleep ``seconds``, then answer normally."""
-        self._submit({"kind": "delay_after_commit", "seconds": seconds,
-                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
+        self._submit({**_targeting("delay_after_commit", times, target), "seconds": seconds})
 
     def hang_after_commit(
-        self,
-        *,
-        times: int | None = None,
-        probability: float | None = None,
-        seed: int | None = None,
-        key: str | None = None,
-        path: str | None = None,
-        replays: bool = False,
+        self, *, times: int | None = None, replays: bool = False, **target: Unpack[Target]
     ) -> None:
         """Commit, then never answer: the socket stays open until the receiver stops.
 
         With ``replays=True`` later requests for an already applied key hang as well.
         """
-        self._submit({"kind": "hang_after_commit", "replays": replays,
-                      **_targeting(times, probability, seed, key, path)})  # fmt: skip
+        self._submit({**_targeting("hang_after_commit", times, target), "replays": replays})
 
     def stuck_in_progress(self, key: str, tenant: str = "") -> None:
         """Leave ``(tenant, key)``'s receipt "processing": every request with it gets 409.
