@@ -38,7 +38,7 @@ from outbox import (
 )
 from outbox.classify import rate_hint
 from outbox.dispatch.limits import PERIOD, PERMIT_LEASE_MS, Limits
-from outbox.testing.receiver import Receiver, RemoteReceiver
+from outbox.testing.receiver import Receiver, ReceiverHandle, RemoteReceiver
 
 
 @pytest.fixture
@@ -66,13 +66,13 @@ def _enqueue(ob: Outbox, n: int) -> None:
     )
 
 
-def _per_second(receiver: RemoteReceiver | Receiver) -> list[int]:
+def _per_second(receiver: ReceiverHandle) -> list[int]:
     """Arrivals per 1-s bucket of the receiver's own clock, in order."""
     counts = Counter(r.arrived_at_ms // 1000 for r in receiver.requests())
     return [counts[s] for s in sorted(counts)]
 
 
-def _drain(ob: Outbox, receiver: RemoteReceiver | Receiver, n: int) -> None:
+def _drain(ob: Outbox, receiver: ReceiverHandle, n: int) -> None:
     """Run a dispatcher until the receiver holds ``n`` effects (refused operations are
     retried later: ``until_empty`` would leave them pending)."""
     stop = threading.Event()

@@ -50,12 +50,14 @@ The package, one concept per module: :mod:`.records` (the SQLite file and its ro
 :mod:`.faults` (fault controls, specs and the plan), :mod:`.dialects` (how answers are
 worded), :mod:`.writer` (the one writer thread, group commit), :mod:`.service` (receipts,
 effects, the request log, admin routes), :mod:`.server` (the HTTP/1.1 server and its
-sockets), :mod:`.oracle` (reading the file), :mod:`.inprocess` (:class:`Receiver`),
+sockets), :mod:`.oracle` (reading the file), :mod:`.handle` (what both kinds share,
+:class:`ReceiverHandle`), :mod:`.inprocess` (:class:`Receiver`),
 :mod:`.remote` (:class:`RemoteReceiver`) and :mod:`.command` (the ``-m`` entry point).
 """
 
 from outbox.testing.receiver.command import main
 from outbox.testing.receiver.faults import Faults, RandomFaults, Target
+from outbox.testing.receiver.handle import ReceiverHandle
 from outbox.testing.receiver.inprocess import Receiver
 from outbox.testing.receiver.records import Effect, Receipt, RequestRecord
 from outbox.testing.receiver.remote import RemoteReceiver, SpawnOptions
@@ -68,6 +70,7 @@ __all__ = [
     "RandomFaults",
     "Receipt",
     "Receiver",
+    "ReceiverHandle",
     "Refuse",
     "RemoteReceiver",
     "RequestRecord",

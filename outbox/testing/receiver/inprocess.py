@@ -9,12 +9,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from outbox.testing.receiver.dialects import dialect_named
 from outbox.testing.receiver.faults import FaultPlan, Faults, RandomFaults, apply_fault_spec
-from outbox.testing.receiver.oracle import Oracle
+from outbox.testing.receiver.handle import ReceiverHandle
 from outbox.testing.receiver.records import connect, init_db, mark_stuck
 from outbox.testing.receiver.remote import RemoteReceiver
 from outbox.testing.receiver.server import Server
@@ -27,7 +26,7 @@ from outbox.testing.receiver.service import (
 )
 
 
-class Receiver(Oracle):
+class Receiver(ReceiverHandle):
     """A local HTTP/1.1 receiver with idempotency receipts, run on a background thread.
 
     ``db_path=None`` uses a temporary file deleted by :meth:`close`. Use it as a context
@@ -177,14 +176,6 @@ class Receiver(Oracle):
 
     def __enter__(self) -> Self:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------- faults
 

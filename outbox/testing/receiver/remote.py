@@ -14,12 +14,11 @@ import tempfile
 import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Self, TypedDict, Unpack
 
 from outbox.testing.receiver.dialects import dialect_named
 from outbox.testing.receiver.faults import Faults, RandomFaults
-from outbox.testing.receiver.oracle import Oracle
+from outbox.testing.receiver.handle import ReceiverHandle
 from outbox.testing.receiver.records import json_bytes
 from outbox.testing.receiver.service import ADMIN_PREFIX, Flaw, Synchronous, check_options
 
@@ -74,7 +73,7 @@ class _Launch:
     tmpdir: str | None
 
 
-class RemoteReceiver(Oracle):
+class RemoteReceiver(ReceiverHandle):
     """A receiver in another process: faults go through its admin routes, while effects,
     receipts and the request log are read from its SQLite file directly.
 
@@ -187,17 +186,6 @@ class RemoteReceiver(Oracle):
         if launch is not None and launch.tmpdir is not None:
             shutil.rmtree(launch.tmpdir, ignore_errors=True)
             self._launch = replace(launch, tmpdir=None)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _admin(self, method: str, route: str, payload: Any = None) -> Any:
         parts = urllib.parse.urlsplit(self.url)
