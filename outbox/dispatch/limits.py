@@ -53,6 +53,9 @@ LATE_SECONDS = 0.025
 #: Refusals in the last second below which (or below ``Throttle.tolerance`` of the
 #: answers) a refusal that names no rate and no long wait throttles nothing.
 MIN_REFUSALS = 3
+#: While every permit is in use, the waiters ask the database for more at most this
+#: often (s), together: one lease for all of them, not one each back to back.
+PACE = PERIOD / 2
 #: In-flight permits admit requests for this long after a lease began (renewed every
 #: PERIOD); the database keeps them longer (:func:`permit_lease_ms`).
 PERMIT_LEASE_MS = 3000
@@ -87,6 +90,8 @@ class _Gate:
         self.in_flight = 0
         self.permits = 0
         self.permits_until = -math.inf
+        #: When the last lease began (monotonic): waiters lease again only after PACE.
+        self.leased_at = -math.inf
         self.slot_waiting = 0
         self.freed = asyncio.Event()
         self.leasing = asyncio.Lock()
@@ -238,19 +243,22 @@ class Limits:
                     gate.in_flight += 1
                     return
                 async with gate.leasing:
-                    if gate.in_flight >= gate.permits or time.monotonic() >= gate.permits_until:
+                    now = time.monotonic()
+                    if now >= gate.leased_at + PACE and (
+                        gate.in_flight >= gate.permits or now >= gate.permits_until
+                    ):
                         await self._lease(gate, limit)
                 if gate.in_flight < gate.permits and time.monotonic() < gate.permits_until:
                     continue
                 gate.freed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(gate.freed.wait(), timeout=PERIOD / 2)
+                    await asyncio.wait_for(gate.freed.wait(), timeout=PACE)
         finally:
             gate.slot_waiting -= 1
 
     async def _lease(self, gate: _Gate, limit: int) -> None:
         want = min(limit, gate.in_flight + gate.slot_waiting)
-        started = time.monotonic()
+        started = gate.leased_at = time.monotonic()
         try:
             permits = await self._run_db(
                 self._store.lease_slots, name=gate.endpoint.name, owner=self._owner,
@@ -260,6 +268,8 @@ class Limits:
         except (StoreError, DBAPIError) as exc:
             self._warn(exc)
             return
+        if permits > gate.permits:
+            gate.freed.set()  # waiters pacing themselves take the new permits now
         gate.permits = permits
         # Trusted for a little less than the lease (the time the transaction took).
         gate.permits_until = started + PERMIT_LEASE_MS / 1000 - PERIOD

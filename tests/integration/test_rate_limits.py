@@ -37,7 +37,7 @@ from outbox import (
     State,
 )
 from outbox.classify import rate_hint
-from outbox.dispatch.limits import PERIOD, PERMIT_LEASE_MS, Limits
+from outbox.dispatch.limits import PACE, PERIOD, PERMIT_LEASE_MS, Limits
 from outbox.testing.receiver import Receiver, ReceiverHandle, RemoteReceiver
 
 
@@ -160,6 +160,53 @@ def test_a_request_on_the_wire_keeps_its_permit_however_late_the_renewals(
 
     with _outbox(db_url, endpoint) as ob:
         assert asyncio.run(scenario(ob)) == 0
+
+
+def test_requests_waiting_for_permits_ask_the_database_together_not_each(
+    db_url: str,
+) -> None:
+    # Another dispatcher holds every permit. Twenty requests wait here: they must ask for
+    # permits about once per PACE together (and the renewal once per PERIOD), not each
+    # one back to back, a stream of write transactions that kept the SQLite write lock
+    # busy and made the renewals late. Then, when the permits come free, three go.
+    endpoint = _endpoint("http://127.0.0.1:9", max_in_flight=3)
+    leases = 0
+
+    async def run_db(fn: Any, **kw: Any) -> Any:
+        nonlocal leases
+        leases += fn.__name__ == "lease_slots"
+        return fn(**kw)
+
+    async def scenario(ob: Outbox) -> tuple[int, float, int]:
+        held = ob.store.lease_slots(name="rx", owner="d2", now_ms=time.time_ns() // 1_000_000,
+                                    want=3, limit=3, lease_ms=60_000)  # fmt: skip
+        assert held == 3
+        one = Limits(store=ob.store, endpoints={"rx": endpoint}, owner="d1",
+                     clock=ob.clock, run_db=run_db, log=None)  # fmt: skip
+        started = time.monotonic()
+        waiters = [asyncio.create_task(one.admit(endpoint)) for _ in range(20)]
+        await asyncio.sleep(4 * PACE)
+        waited, asked = time.monotonic() - started, leases
+        assert not any(w.done() for w in waiters)
+        ob.store.lease_slots(name="rx", owner="d2", now_ms=time.time_ns() // 1_000_000,
+                             want=0, limit=3, lease_ms=0)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while sum(w.done() for w in waiters) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2 * PACE)  # a fourth would go now, if it could
+        admitted = sum(w.done() for w in waiters)
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await one.close()
+        return asked, waited, admitted
+
+    with _outbox(db_url, endpoint) as ob:
+        asked, waited, admitted = asyncio.run(scenario(ob))
+    # One lease per PACE of the waiters, one renewal per PERIOD, and the first: however
+    # long the wait really took (a busy machine stretches it), never one per waiter.
+    assert asked <= waited / PACE + waited / PERIOD + 2, (asked, waited)
+    assert admitted == 3
 
 
 # --------------------------------------------------------------------------- throttle
