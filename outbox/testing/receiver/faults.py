@@ -79,23 +79,20 @@ class Target(TypedDict, total=False):
     path: str | None
 
 
+#: Target's names, in its order: every one is in each spec, None where not given.
+_TARGET_KEYS = tuple(Target.__annotations__)
+
+
 def _targeting(kind: str, times: int | _Default | None, target: Target) -> dict[str, Any]:
     """The fault spec of a ``kind`` rule: the fields that say which requests it hits
     (``times`` left at its default is 1, or unlimited when ``probability`` is given)."""
-    unknown = sorted(target.keys() - Target.__optional_keys__)
+    unknown = sorted(target.keys() - set(_TARGET_KEYS))
     if unknown:
         raise TypeError(f"{kind}() got unexpected keyword arguments: {', '.join(unknown)}")
     probability = target.get("probability")
     if times is _DEFAULT:
         times = None if probability is not None else 1
-    return {
-        "kind": kind,
-        "times": times,
-        "probability": probability,
-        "seed": target.get("seed"),
-        "key": target.get("key"),
-        "path": target.get("path"),
-    }
+    return {"kind": kind, "times": times, **{name: target.get(name) for name in _TARGET_KEYS}}
 
 
 class Faults:
